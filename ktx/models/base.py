@@ -1,0 +1,102 @@
+"""The contract between ktx models, the trainer and the multi-task gradient engine.
+
+A model wraps a Flax module (as T5X's `BaseModel` does) and exposes its loss *per task*:
+
+* `task_weights(batch) -> [T]`: the loss denominators each task contributes (target
+  tokens for a seq2seq model, examples for a classifier), computed from the batch alone.
+* `loss_sums(params, batch, rng, train) -> (sums [T], aux)`: the un-normalised loss of
+  each task, and `aux`, a dict of `[T]` sums (metric numerators, always including
+  `"weight"`, the denominator of every per-task metric). Row `i` of the batch belongs
+  to task `batch["task_id"][i]`.
+* `task_losses(...)`: `sums / normalizer(...)`. With `loss_normalization="global"` the
+  normalizer is the total weight of the batch, so `task_losses.sum()` is exactly the
+  plain (mixture) loss; with `"per_task"` each task is averaged over its own weight,
+  so `task_losses.sum()` is the sum of task means (the MetaBalance paper's objective).
+
+The gradient engine evaluates `loss_sums` on sub-batches (one block per task) and
+divides by the normalizer of the *whole* batch, so per-task gradients add up to the
+gradient of `loss_fn` exactly.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Batch", "BaseModel", "LOSS_NORMALIZATIONS", "segment_sum_by_task"]
+
+Batch = Mapping[str, jax.Array]
+LOSS_NORMALIZATIONS = ("global", "per_task")
+
+
+def segment_sum_by_task(values: jax.Array, task_id: jax.Array, num_tasks: int) -> jax.Array:
+    """Sums `values` (`[batch, ...]`) over every axis but the batch, per task -> `[T]`."""
+    per_example = values.reshape(values.shape[0], -1).sum(axis=-1)
+    return jax.ops.segment_sum(per_example, task_id, num_segments=num_tasks)
+
+
+class BaseModel(abc.ABC):
+    """A module plus its per-task loss; see the module docstring for the contract."""
+
+    num_tasks: int
+    loss_normalization: str = "global"
+
+    @abc.abstractmethod
+    def init_variables(self, rng: jax.Array, batch: Batch) -> Any:
+        """Returns the module's variables (a dict with `"params"`) for `batch`'s shapes."""
+
+    @abc.abstractmethod
+    def input_spec(
+        self, batch_size: int, feature_lengths: Mapping[str, int]
+    ) -> dict[str, jax.ShapeDtypeStruct]:
+        """The features (names, shapes, dtypes) a batch must have; includes `task_id`."""
+
+    @abc.abstractmethod
+    def task_weights(self, batch: Batch) -> jax.Array:
+        """`[T]` loss denominators of each task in `batch` (no parameters needed)."""
+
+    @abc.abstractmethod
+    def loss_sums(
+        self, params: Any, batch: Batch, rng: jax.Array | None, train: bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`([T] loss sums, aux)`: aux maps metric names to `[T]` sums, with `"weight"`."""
+
+    def normalizer(self, batch: Batch) -> jax.Array:
+        """`[T]` divisors turning `loss_sums` into `task_losses`."""
+        weights = self.task_weights(batch)
+        if self.loss_normalization == "global":
+            return jnp.broadcast_to(jnp.maximum(weights.sum(), 1.0), weights.shape)
+        if self.loss_normalization == "per_task":
+            return jnp.maximum(weights, 1.0)
+        raise ValueError(
+            f"loss_normalization={self.loss_normalization!r}; accepted: {LOSS_NORMALIZATIONS}"
+        )
+
+    def task_losses(
+        self,
+        params: Any,
+        batch: Batch,
+        rng: jax.Array | None = None,
+        train: bool = True,
+        normalizer: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`[T]` normalised per-task losses and aux sums.
+
+        `normalizer` overrides `self.normalizer(batch)`: the gradient engine passes the
+        whole batch's normalizer when `batch` is one task's block.
+        """
+        sums, aux = self.loss_sums(params, batch, rng, train)
+        if normalizer is None:
+            normalizer = self.normalizer(batch)
+        return sums / normalizer, aux
+
+    def loss_fn(
+        self, params: Any, batch: Batch, rng: jax.Array | None = None, train: bool = True
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Scalar training loss (sum of `task_losses`) and aux sums."""
+        losses, aux = self.task_losses(params, batch, rng, train)
+        return losses.sum(), aux

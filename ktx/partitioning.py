@@ -1,0 +1,205 @@
+"""Device mesh and logical axis rules, in the style of T5X's `partitioning.py`.
+
+Every ktx parameter is declared with logical axis names through
+`nn.with_logical_partitioning`; the rules below map those names onto the two mesh
+axes `data` and `model`. The mesh is (num_devices // num_partitions, num_partitions):
+`num_partitions` devices hold shards of one model replica, the rest replicate it and
+split the batch.
+
+    mesh = create_mesh(num_partitions=2)
+    rules = standard_logical_axis_rules()
+    with mesh, nn.logical_axis_rules(rules):
+      abstract = jax.eval_shape(init_fn, rng)
+      shardings = logical_to_shardings(nn.get_partition_spec(abstract), mesh, rules)
+      state = jax.jit(init_fn, out_shardings=shardings)(rng)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "AxisRules",
+    "DATA",
+    "MODEL",
+    "BATCH",
+    "VOCAB",
+    "EMBED",
+    "MLP",
+    "HEADS",
+    "KV",
+    "JOINED_KV",
+    "LENGTH",
+    "RELPOS_BUCKETS",
+    "LAYERS",
+    "TASKS",
+    "PROMPT_LENGTH",
+    "TASK_EMBED",
+    "HYPER_BOTTLENECK",
+    "USERS",
+    "ITEMS",
+    "create_mesh",
+    "standard_logical_axis_rules",
+    "logical_to_shardings",
+    "abstract_shardings",
+    "data_sharding",
+    "replicated_sharding",
+    "host_local_to_global",
+    "global_to_host_local",
+]
+
+AxisRules = Sequence[tuple[str, str | None]]
+
+# Mesh axes.
+DATA = "data"
+MODEL = "model"
+
+# Logical axes: T5X's standard names.
+BATCH = "batch"
+VOCAB = "vocab"
+EMBED = "embed"
+MLP = "mlp"
+HEADS = "heads"
+KV = "kv"
+JOINED_KV = "joined_kv"
+LENGTH = "length"
+RELPOS_BUCKETS = "relpos_buckets"
+LAYERS = "layers"
+MLP_ACTIVATIONS = "mlp_activations"
+# Logical axes added by ktx: task conditioning and recommendation tables.
+TASKS = "tasks"
+PROMPT_LENGTH = "prompt_length"
+TASK_EMBED = "task_embed"
+HYPER_BOTTLENECK = "hyper_bottleneck"
+USERS = "users"
+ITEMS = "items"
+
+_STANDARD_RULES: tuple[tuple[str, str | None], ...] = (
+    (BATCH, DATA),
+    (VOCAB, MODEL),
+    (EMBED, None),
+    (MLP, MODEL),
+    (HEADS, MODEL),
+    (KV, None),
+    (JOINED_KV, MODEL),
+    (LENGTH, None),
+    (RELPOS_BUCKETS, None),
+    (LAYERS, None),
+    (MLP_ACTIVATIONS, None),
+)
+
+# Task-conditioning parameters are small: replicate them, except tables indexed by
+# user or item id, which are the bulk of a recommendation model.
+_KTX_RULES: tuple[tuple[str, str | None], ...] = (
+    (TASKS, None),
+    (PROMPT_LENGTH, None),
+    (TASK_EMBED, None),
+    (HYPER_BOTTLENECK, None),
+    (USERS, MODEL),
+    (ITEMS, MODEL),
+)
+
+
+def standard_logical_axis_rules(
+    additional_rules: AxisRules = (),
+) -> tuple[tuple[str, str | None], ...]:
+    """T5X's standard 1-D parameter/activation rules plus ktx's task axes.
+
+    `additional_rules` come first, so they override a standard rule for the same
+    logical name (flax uses the first rule that matches).
+    """
+    for rule in additional_rules:
+        if (
+            not isinstance(rule, (tuple, list))
+            or len(rule) != 2
+            or not isinstance(rule[0], str)
+            or rule[1] not in (None, DATA, MODEL)
+        ):
+            raise ValueError(
+                f"additional_rules: {rule!r} is not a (logical_name, mesh_axis) pair; "
+                f"mesh_axis must be one of None, {DATA!r}, {MODEL!r}"
+            )
+    return tuple(tuple(r) for r in additional_rules) + _STANDARD_RULES + _KTX_RULES
+
+
+def create_mesh(
+    num_partitions: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A (`data`, `model`) mesh over all (global) devices.
+
+    Args:
+      num_partitions: model-parallel size; must divide the number of devices.
+      devices: defaults to `jax.devices()` (every device of every process).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if not isinstance(num_partitions, int) or num_partitions < 1 or n % num_partitions:
+        raise ValueError(
+            f"NUM_PARTITIONS={num_partitions!r} must be a positive integer dividing the "
+            f"number of devices ({n}); accepted: "
+            f"{[d for d in range(1, n + 1) if n % d == 0]}"
+        )
+    shape = (n // num_partitions, num_partitions)
+    try:
+        device_grid = mesh_utils.create_device_mesh(shape, devices=devices)
+    except (AssertionError, NotImplementedError, ValueError):
+        device_grid = np.asarray(devices).reshape(shape)
+    return Mesh(device_grid, (DATA, MODEL))
+
+
+def logical_to_shardings(logical_specs: Any, mesh: Mesh, rules: AxisRules) -> Any:
+    """Maps a tree of logical `PartitionSpec`s to `NamedSharding`s on `mesh`."""
+    return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+
+
+def abstract_shardings(abstract_tree: Any, mesh: Mesh, rules: AxisRules) -> Any:
+    """Shardings for an `eval_shape` tree whose leaves may be `nn.Partitioned`.
+
+    Leaves without logical annotations (optimizer counters, step) are replicated.
+    """
+    return logical_to_shardings(nn.get_partition_spec(abstract_tree), mesh, rules)
+
+
+def data_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch-major arrays: the leading axis split over `data`, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(DATA))
+
+
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def host_local_to_global(
+    batch: Mapping[str, np.ndarray], mesh: Mesh
+) -> dict[str, jax.Array]:
+    """Assembles each process's rows of a batch into global `jax.Array`s.
+
+    Every process passes its own contiguous slice of the global batch (rows
+    `[process_index * n, (process_index + 1) * n)`); with one process this is the
+    whole batch.
+    """
+    sharding = data_sharding(mesh)
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+        for k, v in batch.items()
+    }
+
+
+def global_to_host_local(tree: Any) -> Any:
+    """Fetches the addressable part of global arrays as numpy (for eval/infer)."""
+
+    def fetch(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(fetch, tree)

@@ -1,0 +1,1 @@
+"""SeqIO task and mixture registrations for ktx (importable as `ktx.tasks`)."""
