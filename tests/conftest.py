@@ -1,6 +1,10 @@
 """Shared pytest fixtures for ktx."""
 
 import os
+
+# Every test process sees 8 CPU devices so that 2x4 mesh tests run in-process; this must
+# happen before JAX initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import pathlib
 
 import pytest

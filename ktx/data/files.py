@@ -1,0 +1,191 @@
+"""Reading users' data files: locating them, and rows that name their file and line.
+
+Every loader in ktx reads the official layout of its data set through these helpers, so
+that a missing file says where it was expected and how to get it, and a malformed row
+raises `DataFileError` naming the file and line, or, with `on_bad_row="skip"`, is
+skipped and counted (and the count logged) instead of being silently dropped.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+__all__ = [
+    "DATA_DIR_ENV",
+    "BAD_ROW_POLICIES",
+    "DataFileError",
+    "BadRowCounter",
+    "resolve_data_dir",
+    "require_file",
+    "read_lines",
+    "read_tsv",
+    "read_csv",
+    "read_jsonl",
+]
+
+DATA_DIR_ENV = "KTX_DATA_DIR"
+BAD_ROW_POLICIES = ("raise", "skip")
+_BOM = "\ufeff"
+
+
+class DataFileError(ValueError):
+    """A data file is missing, empty, or has a row that cannot be read."""
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The data folder: `data_dir` if given, else `$KTX_DATA_DIR`.
+
+    Raises:
+      DataFileError: neither is set, or the folder does not exist.
+    """
+    value = data_dir if data_dir not in (None, "") else os.environ.get(DATA_DIR_ENV)
+    if not value:
+        raise DataFileError(
+            f"No data directory: set the gin macro DATA_DIR or the environment variable "
+            f"{DATA_DIR_ENV} to the folder holding glue/, super_glue/, biomed/, recsys/, vocab/"
+        )
+    path = pathlib.Path(value).expanduser()
+    if not path.is_dir():
+        raise DataFileError(f"data directory {str(path)!r} does not exist or is not a folder")
+    return path
+
+
+def require_file(path: str | os.PathLike, how_to_obtain: str) -> pathlib.Path:
+    """Returns `path` if it is a non-empty file, else raises naming it and `how_to_obtain`."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise DataFileError(f"missing data file {str(path)!r}; {how_to_obtain}")
+    if path.stat().st_size == 0:
+        raise DataFileError(f"data file {str(path)!r} is empty; {how_to_obtain}")
+    return path
+
+
+@dataclasses.dataclass
+class BadRowCounter:
+    """Applies the bad-row policy for one file and counts what was skipped."""
+
+    path: pathlib.Path
+    on_bad_row: str = "raise"
+    skipped: int = 0
+
+    def __post_init__(self):
+        if self.on_bad_row not in BAD_ROW_POLICIES:
+            raise ValueError(f"on_bad_row={self.on_bad_row!r}; accepted: {BAD_ROW_POLICIES}")
+
+    def bad(self, line: int, reason: str) -> None:
+        """Raises (policy "raise") or counts (policy "skip") a bad row at `line` (1-based)."""
+        message = f"{self.path}:{line}: {reason}"
+        if self.on_bad_row == "raise":
+            raise DataFileError(message + " (pass on_bad_row='skip' to skip and count such rows)")
+        self.skipped += 1
+        if self.skipped <= 5:
+            logging.warning("skipping bad row %s", message)
+
+    def report(self) -> None:
+        if self.skipped:
+            logging.warning("%s: skipped %d bad rows", self.path, self.skipped)
+
+
+def read_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
+    """Yields `(line_number, text)` without the newline; strips a leading UTF-8 BOM."""
+    with open(path, encoding="utf-8", newline="") as f:
+        for number, text in enumerate(f, start=1):
+            if number == 1 and text.startswith(_BOM):
+                text = text[len(_BOM):]
+            yield number, text.rstrip("\r\n")
+
+
+def _rows(
+    path: pathlib.Path,
+    split: Callable[[str], list[str]],
+    num_fields: int | None,
+    header: Sequence[str] | bool,
+    counter: BadRowCounter,
+) -> Iterator[tuple[int, dict[str, str] | list[str]]]:
+    names: Sequence[str] | None = None
+    for number, text in read_lines(path):
+        if not text.strip():
+            continue
+        fields = split(text)
+        if names is None and header:
+            names = fields if header is True else list(header)
+            if header is not True and [f.strip() for f in fields] != list(header):
+                raise DataFileError(
+                    f"{path}:{number}: header {fields!r} does not match the expected {list(header)!r}"
+                )
+            continue
+        expected = len(names) if names is not None else num_fields
+        if expected is not None and len(fields) != expected:
+            counter.bad(number, f"expected {expected} fields, found {len(fields)}")
+            continue
+        yield number, (dict(zip(names, fields)) if names is not None else fields)
+
+
+def read_tsv(
+    path: pathlib.Path,
+    *,
+    num_fields: int | None = None,
+    header: Sequence[str] | bool = False,
+    counter: BadRowCounter | None = None,
+    quoting: bool = False,
+) -> Iterator[tuple[int, Any]]:
+    """Yields `(line, row)` of a tab-separated file; rows are dicts with a header.
+
+    `header=True` takes names from the first line; a sequence checks the first line
+    against it. Rows with the wrong number of fields go to `counter`'s policy.
+    """
+    counter = counter or BadRowCounter(path)
+    if quoting:
+        split = lambda t: next(csv.reader([t], delimiter="\t"))  # noqa: E731
+    else:
+        split = lambda t: t.split("\t")  # noqa: E731
+    yield from _rows(path, split, num_fields, header, counter)
+    counter.report()
+
+
+def read_csv(
+    path: pathlib.Path,
+    *,
+    header: Sequence[str] | bool = True,
+    counter: BadRowCounter | None = None,
+    delimiter: str = ",",
+) -> Iterator[tuple[int, Any]]:
+    """Like `read_tsv` for (quoted) comma-separated files; fields may not span lines."""
+    counter = counter or BadRowCounter(path)
+    split = lambda t: next(csv.reader([t], delimiter=delimiter))  # noqa: E731
+    yield from _rows(path, split, None, header, counter)
+    counter.report()
+
+
+def read_jsonl(
+    path: pathlib.Path,
+    *,
+    required: Sequence[str] = (),
+    counter: BadRowCounter | None = None,
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yields `(line, object)` of a JSON-lines file, checking `required` keys."""
+    counter = counter or BadRowCounter(path)
+    for number, text in read_lines(path):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            counter.bad(number, f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        if not isinstance(row, dict):
+            counter.bad(number, f"expected a JSON object, found {type(row).__name__}")
+            continue
+        missing = [k for k in required if k not in row]
+        if missing:
+            counter.bad(number, f"missing keys {missing}; required: {list(required)}")
+            continue
+        yield number, row
+    counter.report()
