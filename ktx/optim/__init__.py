@@ -1,0 +1,90 @@
+"""Multi-task gradients and balancing: per-task gradients in one compiled step, and
+MetaBalance with its baselines as optax transformations (see docs/balancing.md).
+
+    task_losses, aux, task_grads = ktx.optim.compute_task_gradients(
+        loss_sums_fn, model.normalizer(batch), params, batch,
+        num_tasks=T, task_counts=counts)
+    tx = optax.chain(ktx.optim.metabalance(relax_factor=0.7), optax.adam(1e-3))
+    with ktx.optim.num_tasks_scope(T):
+      opt_state = tx.init(params)
+    updates, opt_state = tx.update(task_grads, opt_state, params, task_losses=task_losses)
+"""
+
+from ktx.optim.diagnostics import diagnostics, find_metabalance_state
+from ktx.optim.engine import METHODS, compute_task_gradients, split_shared
+from ktx.optim.loss_weighting import (
+    DWAState,
+    GradNormState,
+    UncertaintyState,
+    dwa,
+    gradnorm,
+    uncertainty,
+)
+from ktx.optim.metabalance import STRATEGIES, MetaBalanceState, metabalance
+from ktx.optim.mgda import NORMALIZATIONS, mgda, min_norm_weights
+from ktx.optim.mtadam import MTAdamState, mtadam
+from ktx.optim.num_tasks import num_tasks_scope, resolve_num_tasks
+from ktx.optim.olaux import OLAuxState, olaux
+from ktx.optim.plots import plot_gradient_magnitudes, read_gradient_magnitudes
+from ktx.optim.selection import DEFAULT_UNSHARED_PATTERNS, group_names, param_names, shared_mask
+from ktx.optim.surgery import PCGradState, grad_similarity, pcgrad, pcgrad_weights
+from ktx.optim.task_gradients import SparseRows, TaskGradients, as_task_gradients
+from ktx.optim.weighting import fixed_weights, single_loss, vanilla_multi
+
+__all__ = [
+    "METHODS",
+    "STRATEGIES",
+    "NORMALIZATIONS",
+    "DEFAULT_UNSHARED_PATTERNS",
+    "compute_task_gradients",
+    "split_shared",
+    "TaskGradients",
+    "SparseRows",
+    "as_task_gradients",
+    "shared_mask",
+    "param_names",
+    "group_names",
+    "num_tasks_scope",
+    "resolve_num_tasks",
+    "metabalance",
+    "MetaBalanceState",
+    "single_loss",
+    "vanilla_multi",
+    "fixed_weights",
+    "uncertainty",
+    "UncertaintyState",
+    "dwa",
+    "DWAState",
+    "gradnorm",
+    "GradNormState",
+    "mgda",
+    "min_norm_weights",
+    "mtadam",
+    "MTAdamState",
+    "olaux",
+    "OLAuxState",
+    "pcgrad",
+    "pcgrad_weights",
+    "PCGradState",
+    "grad_similarity",
+    "diagnostics",
+    "find_metabalance_state",
+    "plot_gradient_magnitudes",
+    "read_gradient_magnitudes",
+    "BALANCERS",
+]
+
+BALANCERS = {
+    "metabalance": metabalance,
+    "single_loss": single_loss,
+    "vanilla_multi": vanilla_multi,
+    "fixed_weights": fixed_weights,
+    "uncertainty": uncertainty,
+    "dwa": dwa,
+    "gradnorm": gradnorm,
+    "mgda": mgda,
+    "mtadam": mtadam,
+    "grad_similarity": grad_similarity,
+    "pcgrad": pcgrad,
+    "olaux": olaux,
+}

@@ -1,0 +1,332 @@
+"""Orbax checkpoints of the ktx train state.
+
+A run directory holds `checkpoints/<step>/` with two items: `state` (an orbax PyTree:
+`step`, `params` by parameter path, `opt_state` as its flattened leaves `"0"`,
+`"1"`, ...) and `meta` (JSON: step, task names, anything the caller adds). The data
+position is the step (interface §3: the input is a pure function of the step), so
+restoring the state restores the data position.
+
+* `CheckpointManager`: save every `save_period` steps, keep the newest `keep`, force a
+  save at the end; restore the latest (or a given) step onto any mesh: arrays are read
+  straight into the target `NamedSharding`s of the current trainer.
+* Before restoring, saved shapes are compared with the model's; any difference raises
+  `CheckpointShapeError` listing every mismatching parameter path and both shapes.
+* `load_initial_params`: T5X's `INITIAL_CHECKPOINT_PATH`: parameters found in another
+  run's checkpoint are restored, parameters missing there (e.g. new prompts) keep their
+  fresh initialization; the returned `InitReport` says which are which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from ktx.optimizers import param_path
+from ktx.trainer import TrainState
+
+__all__ = [
+    "CHECKPOINTS_SUBDIR",
+    "CheckpointShapeError",
+    "CheckpointManager",
+    "InitReport",
+    "load_initial_params",
+    "resolve_checkpoint",
+    "restore_params",
+    "saved_param_shapes",
+]
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+_log = logging.getLogger(__name__)
+
+
+class CheckpointShapeError(ValueError):
+    """Saved parameter shapes differ from the model's."""
+
+
+def _state_to_tree(state: TrainState) -> dict:
+    leaves = jax.tree.leaves(state.opt_state)
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": {str(i): leaf for i, leaf in enumerate(leaves)},
+    }
+
+
+def _tree_to_state(tree: Mapping[str, Any], like: TrainState) -> TrainState:
+    treedef = jax.tree.structure(like.opt_state)
+    leaves = [tree["opt_state"][str(i)] for i in range(treedef.num_leaves)]
+    return TrainState(
+        step=tree["step"], params=tree["params"], opt_state=jax.tree.unflatten(treedef, leaves)
+    )
+
+
+def _restore_args(abstract_tree: Any) -> Any:
+    def arg(a):
+        sharding = getattr(a, "sharding", None)
+        if sharding is None:
+            return ocp.RestoreArgs(dtype=a.dtype)
+        return ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=sharding, global_shape=a.shape)
+
+    return jax.tree.map(arg, abstract_tree)
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out[param_path(path)] = tuple(getattr(leaf, "shape", ()))
+    return out
+
+
+def _mismatch_message(where: str, saved: dict, expected: dict, missing_ok: bool) -> str | None:
+    lines = []
+    for path, shape in expected.items():
+        if path not in saved:
+            if not missing_ok:
+                lines.append(f"  {path}: model {shape}, missing in checkpoint")
+        elif saved[path] != shape:
+            lines.append(f"  {path}: checkpoint {saved[path]}, model {shape}")
+    if not missing_ok:
+        for path in saved:
+            if path not in expected:
+                lines.append(f"  {path}: checkpoint {saved[path]}, not in model")
+    if not lines:
+        return None
+    return f"checkpoint {where} does not match the model ({len(lines)} parameters):\n" + "\n".join(lines)
+
+
+def saved_param_shapes(step_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """`{'/'-joined param path: shape}` of a saved step directory (`.../checkpoints/<step>`)."""
+    step_dir = pathlib.Path(step_dir)
+    metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    return _flat_shapes(tree["params"])
+
+
+def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> pathlib.Path:
+    """A step directory from a run dir, a `checkpoints/` dir or a step dir.
+
+    Raises FileNotFoundError naming the path and what was looked for.
+    """
+    p = pathlib.Path(path).expanduser()
+    if (p / "state").is_dir():
+        return p
+    if (p / CHECKPOINTS_SUBDIR).is_dir():
+        p = p / CHECKPOINTS_SUBDIR
+    if not p.is_dir():
+        raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
+    steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit() and (c / "state").is_dir())
+    if not steps:
+        raise FileNotFoundError(
+            f"no checkpoint in {str(path)!r}: expected a run directory with "
+            f"{CHECKPOINTS_SUBDIR}/<step>/state, a checkpoints directory, or a step directory"
+        )
+    if step is None:
+        return p / str(steps[-1])
+    if step not in steps:
+        raise FileNotFoundError(f"step {step} not in {str(p)!r}; saved steps: {steps}")
+    return p / str(step)
+
+
+class CheckpointManager:
+    """Periodic orbax checkpoints of a `TrainState` under `<model_dir>/checkpoints`.
+
+    Args:
+      model_dir: the run directory.
+      save_period: save when `step % save_period == 0` (and whenever forced).
+      keep: how many of the newest checkpoints to keep (None: all).
+      async_save: write in a background thread (orbax async checkpointing).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        save_period: int = 1000,
+        keep: int | None = None,
+        async_save: bool = False,
+    ):
+        if not isinstance(save_period, int) or save_period < 1:
+            raise ValueError(f"save_period={save_period!r}; accepted: an integer >= 1")
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep={keep!r}; accepted: None (keep all) or an integer >= 1")
+        self.directory = pathlib.Path(model_dir).expanduser().absolute() / CHECKPOINTS_SUBDIR
+        self.save_period = save_period
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            create=True,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def should_save(self, step: int) -> bool:
+        return step % self.save_period == 0
+
+    def save(self, state: TrainState, *, force: bool = False, meta: Mapping | None = None) -> bool:
+        """Saves `state` at `int(state.step)` if due (or `force`); returns whether it did."""
+        step = int(jax.device_get(state.step))
+        if not (force or self.should_save(step)) or step in self._manager.all_steps():
+            return False
+        meta = {"step": step, **(dict(meta) if meta else {})}
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(_state_to_tree(state)), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+        return True
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def read_meta(self, step: int) -> dict:
+        return dict(
+            self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        )
+
+    def restore(self, abstract_state: TrainState, step: int | None = None) -> TrainState:
+        """Restores `step` (default: latest) into `abstract_state`'s shapes and shardings
+        (from `Trainer.create_abstract_state`), so it loads onto any mesh shape.
+
+        Raises:
+          FileNotFoundError: no checkpoint / no such step.
+          CheckpointShapeError: saved parameter shapes differ; lists every mismatch.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self._manager.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {str(self.directory)!r}; saved: {self.all_steps()}"
+            )
+        saved = saved_param_shapes(self.directory / str(step))
+        message = _mismatch_message(
+            str(self.directory / str(step)), saved, _flat_shapes(abstract_state.params), False
+        )
+        if message:
+            raise CheckpointShapeError(message)
+        target = _state_to_tree(abstract_state)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target))
+            ),
+        )["state"]
+        return _tree_to_state(restored, abstract_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class InitReport:
+    """What `load_initial_params` did, by '/'-joined parameter path."""
+
+    checkpoint: str
+    restored: tuple[str, ...]
+    initialized: tuple[str, ...]
+    unused: tuple[str, ...]
+
+    def summary(self) -> str:
+        lines = [
+            f"INITIAL_CHECKPOINT_PATH {self.checkpoint}: restored {len(self.restored)} "
+            f"parameters, initialized {len(self.initialized)}, unused {len(self.unused)}"
+        ]
+        lines += [f"  initialized: {p}" for p in self.initialized]
+        lines += [f"  unused in checkpoint: {p}" for p in self.unused]
+        return "\n".join(lines)
+
+
+def load_initial_params(
+    path: str | os.PathLike, abstract_params: Any, init_params: Any, step: int | None = None
+) -> tuple[Any, InitReport]:
+    """Params for a new run starting from another run's checkpoint.
+
+    Args:
+      path: a run dir, its `checkpoints/` dir or one step dir (T5X's
+        `INITIAL_CHECKPOINT_PATH`); the latest step unless `step` is given.
+      abstract_params: the model's params as ShapeDtypeStructs with shardings.
+      init_params: freshly initialized params (same tree); used where the checkpoint
+        has no such parameter.
+
+    Returns `(params, report)`. Raises CheckpointShapeError listing every parameter
+    present in both with different shapes.
+    """
+    step_dir = resolve_checkpoint(path, step)
+    saved = saved_param_shapes(step_dir)
+    expected = _flat_shapes(abstract_params)
+    message = _mismatch_message(str(step_dir), saved, expected, missing_ok=True)
+    if message:
+        raise CheckpointShapeError(message)
+    flat_abstract, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    present = [param_path(p) in saved for p, _ in flat_abstract]
+    restored_paths = tuple(param_path(p) for (p, _), ok in zip(flat_abstract, present) if ok)
+    initialized = tuple(param_path(p) for (p, _), ok in zip(flat_abstract, present) if not ok)
+    unused = tuple(sorted(set(saved) - set(expected)))
+    # Partial restore: the subset of the params tree found in the checkpoint.
+    subset = _subtree(abstract_params, set(restored_paths))
+    target = {"params": subset}
+    restored = ocp.PyTreeCheckpointer().restore(
+        step_dir / "state",
+        args=ocp.args.PyTreeRestore(
+            item=target, restore_args=_restore_args(target), partial_restore=True
+        ),
+    )["params"]
+    restored_flat = {param_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    init_leaves = jax.tree.leaves(init_params)
+    leaves = [
+        restored_flat[param_path(p)] if ok else init
+        for (p, _), ok, init in zip(flat_abstract, present, init_leaves)
+    ]
+    report = InitReport(str(step_dir), restored_paths, initialized, unused)
+    _log.info(report.summary())
+    return jax.tree.unflatten(treedef, leaves), report
+
+
+def _subtree(tree: Any, keep: set[str], prefix: Sequence[str] = ()) -> Any:
+    """Nested dicts of `tree` keeping only leaves whose path is in `keep`."""
+    if isinstance(tree, Mapping):
+        out = {}
+        for k, v in tree.items():
+            sub = _subtree(v, keep, (*prefix, str(k)))
+            if sub is not None:
+                out[k] = sub
+        return out or None
+    return tree if "/".join(prefix) in keep else None
+
+
+def restore_params(path: str | os.PathLike, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
+    """Only the parameters of a checkpoint (for `ktx eval` / `ktx infer`), onto the
+    shardings of `abstract_params`; returns `(params, step)`.
+
+    Raises CheckpointShapeError listing every parameter whose shape differs or that is
+    missing on either side.
+    """
+    step_dir = resolve_checkpoint(path, step)
+    message = _mismatch_message(
+        str(step_dir), saved_param_shapes(step_dir), _flat_shapes(abstract_params), False
+    )
+    if message:
+        raise CheckpointShapeError(message)
+    target = {"params": abstract_params}
+    restored = ocp.PyTreeCheckpointer().restore(
+        step_dir / "state",
+        args=ocp.args.PyTreeRestore(
+            item=target, restore_args=_restore_args(target), partial_restore=True
+        ),
+    )
+    return restored["params"], int(step_dir.name)

@@ -1,0 +1,219 @@
+"""HyperPrompt: hyper-prompts prepended to the keys and values of self-attention.
+
+He et al., 2022 ("HyperPrompt: Prompt-based Task-Conditioning of Transformers").
+One `HyperPrompt` module serves one side of the Transformer (encoder or decoder, each
+with its own prompt length `l`), for all `M` layers and `T` tasks of that side:
+
+* global prompts `P_t` (`[T, l, d]`, one per task);
+* at layer `m`, local hypernetworks turn them into key and value prompts,
+  `P_k = U_k relu(D_k P_t)`, `P_v = U_v relu(D_v P_t)`, with down-projections
+  `D` (`d -> b`) and up-projections `U` (`b -> heads * head_dim`), bottleneck `b`;
+* the prompts are split per head and prepended to that layer's keys and values,
+  `K' = concat(P_k, K)`, `V' = concat(P_v, V)`; every query (causal ones too) attends
+  to all `l` prompts; prompts never pass through the feed-forward blocks.
+
+Variants (`variant`):
+
+* `"share"`: one `(D_k, U_k, D_v, U_v)` per layer, shared by all tasks;
+* `"sep"`: one per layer per task;
+* `"global"`: the local hypernetworks' weights are generated, per layer and task, by two
+  global hypernetworks `H_k`, `H_v` (no biases) from a layer-aware task embedding
+  `I_t^m = h_t(concat(k_t, z_m))`, `h_t` a two-layer ReLU MLP `2t' -> e -> t` without
+  biases, `k_t` task embeddings (`[T, t']`), `z_m` layer embeddings (`[M, t']`).
+
+For `"global"` the parameters of one side are exactly
+`d l T + 4 b d t + T t' + M t' + (2 t' + t) e` when `heads * head_dim == d` (the closed
+form of He et al., 2022; `ktx.params.hyperprompt_global_closed_form`).
+
+`__call__()` returns the key and value prompts of every layer and task,
+`[M, T, l, heads, head_dim]` each: computed once per task per step, then gathered per
+example by `task_id` (`gather_prompts`).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ktx import partitioning as P
+from ktx.conditioning.task_embedding import (
+    LayerEmbedding,
+    TaskEmbedding,
+    TaskProjector,
+    check_positive,
+    gather_by_task,
+)
+
+__all__ = ["HYPER_PROMPT_VARIANTS", "HyperPrompt", "gather_prompts"]
+
+HYPER_PROMPT_VARIANTS = ("share", "sep", "global")
+
+
+def _init(in_axis, out_axis):
+    return nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+    )
+
+
+def gather_prompts(prompts: jax.Array, task_id: jax.Array) -> jax.Array:
+    """`[M, T, l, H, Dh]` per-task prompts -> `[M, B, l, H, Dh]` per-example prompts."""
+    return gather_by_task(prompts, task_id, axis=1)
+
+
+class HyperPrompt(nn.Module):
+    """Key/value hyper-prompts of one Transformer side; see the module docstring.
+
+    Attributes:
+      variant: one of `HYPER_PROMPT_VARIANTS`.
+      num_tasks: T. num_layers: M (self-attention layers of this side).
+      prompt_length: l (> 0; a side with no prompts has no `HyperPrompt`).
+      emb_dim: d. num_heads, head_dim: the attention's heads and per-head size.
+      bottleneck_dim: b (He et al., 2022 use b = d / r).
+      task_embed_dim: t' (global only). task_hidden_dim: e (global only).
+      layer_task_dim: t, the size of the layer-aware task embedding (global only).
+    """
+
+    variant: str
+    num_tasks: int
+    num_layers: int
+    prompt_length: int
+    emb_dim: int
+    num_heads: int
+    head_dim: int
+    bottleneck_dim: int
+    task_embed_dim: int = 32
+    task_hidden_dim: int = 64
+    layer_task_dim: int = 32
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _check(self) -> None:
+        if self.variant not in HYPER_PROMPT_VARIANTS:
+            raise ValueError(
+                f"HyperPrompt.variant={self.variant!r}; accepted: {HYPER_PROMPT_VARIANTS}"
+            )
+        check_positive(
+            "HyperPrompt",
+            num_tasks=self.num_tasks,
+            num_layers=self.num_layers,
+            prompt_length=self.prompt_length,
+            emb_dim=self.emb_dim,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            bottleneck_dim=self.bottleneck_dim,
+        )
+        if self.variant == "global":
+            check_positive(
+                "HyperPrompt",
+                task_embed_dim=self.task_embed_dim,
+                task_hidden_dim=self.task_hidden_dim,
+                layer_task_dim=self.layer_task_dim,
+            )
+
+    def _param(self, name, init, shape, axes):
+        return self.param(
+            name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype
+        )
+
+    def _local_weights(self, which: str) -> tuple[jax.Array, jax.Array]:
+        """Down `[M, T?, d, b]` and up `[M, T?, b, H, Dh]` (T axis for sep/global)."""
+        M, T, d, b = self.num_layers, self.num_tasks, self.emb_dim, self.bottleneck_dim
+        H, Dh = self.num_heads, self.head_dim
+        if self.variant == "share":
+            down = self._param(
+                f"{which}_down", _init(1, 2), (M, d, b), (P.LAYERS, P.EMBED, P.HYPER_BOTTLENECK)
+            )
+            up = self._param(
+                f"{which}_up",
+                _init(1, (2, 3)),
+                (M, b, H, Dh),
+                (P.LAYERS, P.HYPER_BOTTLENECK, P.HEADS, P.KV),
+            )
+            return down[:, None], up[:, None]
+        if self.variant == "sep":
+            down = self._param(
+                f"{which}_down",
+                _init(2, 3),
+                (M, T, d, b),
+                (P.LAYERS, P.TASKS, P.EMBED, P.HYPER_BOTTLENECK),
+            )
+            up = self._param(
+                f"{which}_up",
+                _init(2, (3, 4)),
+                (M, T, b, H, Dh),
+                (P.LAYERS, P.TASKS, P.HYPER_BOTTLENECK, P.HEADS, P.KV),
+            )
+            return down, up
+        raise AssertionError(self.variant)
+
+    def _global_weights(self) -> dict[str, jax.Array]:
+        """Local hypernetwork weights generated per (layer, task) by `H_k`, `H_v`."""
+        M, T, d, b = self.num_layers, self.num_tasks, self.emb_dim, self.bottleneck_dim
+        H, Dh, t = self.num_heads, self.head_dim, self.layer_task_dim
+        k_task = TaskEmbedding(T, self.task_embed_dim, param_dtype=self.param_dtype,
+                               name="task_embedding")()  # [T, t']
+        z_layer = LayerEmbedding(M, self.task_embed_dim, param_dtype=self.param_dtype,
+                                 name="layer_embedding")()  # [M, t']
+        pairs = jnp.concatenate(
+            [
+                jnp.broadcast_to(k_task[None], (M, T, self.task_embed_dim)),
+                jnp.broadcast_to(z_layer[:, None], (M, T, self.task_embed_dim)),
+            ],
+            axis=-1,
+        ).astype(self.dtype)  # [M, T, 2t']
+        layer_task = TaskProjector(
+            self.task_hidden_dim, t, use_bias=False, dtype=self.dtype,
+            param_dtype=self.param_dtype, name="task_projector",
+        )(pairs)  # [M, T, t]: I_t^m
+        out = {}
+        for which in ("key", "value"):
+            # H_k / H_v: the generators of D (t -> d*b) and U (t -> b*H*Dh).
+            gen_down = self._param(
+                f"{which}_down_generator", _init(0, (1, 2)), (t, d, b),
+                (P.TASK_EMBED, P.EMBED, P.HYPER_BOTTLENECK),
+            )
+            gen_up = self._param(
+                f"{which}_up_generator", _init(0, (1, 2, 3)), (t, b, H, Dh),
+                (P.TASK_EMBED, P.HYPER_BOTTLENECK, P.HEADS, P.KV),
+            )
+            # Generated weights get the fan-in scale of a local hypernetwork.
+            out[f"{which}_down"] = jnp.einsum(
+                "mtx,xdb->mtdb", layer_task, gen_down.astype(self.dtype)
+            ) * (d ** -0.5)
+            out[f"{which}_up"] = jnp.einsum(
+                "mtx,xbhk->mtbhk", layer_task, gen_up.astype(self.dtype)
+            ) * (b ** -0.5)
+        return out
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        """Returns `(key_prompts, value_prompts)`, each `[M, T, l, heads, head_dim]`."""
+        self._check()
+        prompts = self._param(
+            "prompts",
+            nn.initializers.normal(stddev=1.0),
+            (self.num_tasks, self.prompt_length, self.emb_dim),
+            (P.TASKS, P.PROMPT_LENGTH, P.EMBED),
+        ).astype(self.dtype)  # [T, l, d]
+        if self.variant == "global":
+            weights = self._global_weights()
+        else:
+            weights = {}
+            for which in ("key", "value"):
+                down, up = self._local_weights(which)
+                weights[f"{which}_down"] = down
+                weights[f"{which}_up"] = up
+        results = []
+        for which in ("key", "value"):
+            down = weights[f"{which}_down"].astype(self.dtype)  # [M, T|1, d, b]
+            up = weights[f"{which}_up"].astype(self.dtype)  # [M, T|1, b, H, Dh]
+            hidden = nn.relu(jnp.einsum("tld,mtdb->mtlb", prompts, down)
+                             if down.shape[1] == self.num_tasks
+                             else jnp.einsum("tld,mdb->mtlb", prompts, down[:, 0]))
+            if up.shape[1] == self.num_tasks:
+                kv = jnp.einsum("mtlb,mtbhk->mtlhk", hidden, up)
+            else:
+                kv = jnp.einsum("mtlb,mbhk->mtlhk", hidden, up[:, 0])
+            results.append(kv)  # [M, T, l, H, Dh]
+        return results[0], results[1]

@@ -1,0 +1,596 @@
+"""SeqIO data sources for GLUE, SuperGLUE and CS224N in their official file layouts.
+
+Each reader turns one official file into rows shaped like the TFDS features of the same
+data set (`glue/*`, `super_glue/*`), so that one set of T5 text preprocessors serves both:
+
+* GLUE: `glue/<Task>/{train,dev}.tsv` as GLUE distributes them (MNLI:
+  `dev_matched.tsv`, `dev_mismatched.tsv`); MRPC also from the original MSR paraphrase
+  files (`msr_paraphrase_{train,test}.txt`, same columns, UTF-8 BOM allowed); STS-B `test`
+  from `test_with_labels.tsv` when present.
+* SuperGLUE: `super_glue/<Task>/{train,val}.jsonl` (+ FewGLUE `train_32shot.jsonl`);
+  MultiRC yields one row per answer and ReCoRD one per query, as TFDS does.
+* CS224N multitask project: `cs224n/{ids-sst,quora,sts}-{train,dev}.csv` (tab-separated,
+  quoted, header with a leading index column).
+
+`OfficialFilesSource` reads a prepared TFDS copy instead when a TFDS folder is given and
+the data set is prepared there; it never downloads. A malformed row (wrong field count,
+unknown label, bad JSON, missing key) raises `files.DataFileError` naming file and line,
+or with `on_bad_row="skip"` is skipped and counted in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import seqio
+import tensorflow as tf
+
+from ktx.data import files
+
+__all__ = [
+    "Layout",
+    "GLUE_LAYOUTS",
+    "SUPER_GLUE_LAYOUTS",
+    "CS224N_LAYOUTS",
+    "GLUE_LABELS",
+    "SUPER_GLUE_LABELS",
+    "read_rows",
+    "OfficialFilesSource",
+]
+
+Row = dict[str, Any]
+Reader = Callable[[pathlib.Path, files.BadRowCounter], list[Row]]
+
+# Label names in TFDS class order (index == TFDS ClassLabel id), as T5 uses them.
+GLUE_LABELS: dict[str, tuple[str, ...]] = {
+    "cola": ("unacceptable", "acceptable"),
+    "sst2": ("negative", "positive"),
+    "mrpc": ("not_equivalent", "equivalent"),
+    "qqp": ("not_duplicate", "duplicate"),
+    "mnli": ("entailment", "neutral", "contradiction"),
+    "qnli": ("entailment", "not_entailment"),
+    "rte": ("entailment", "not_entailment"),
+    "wnli": ("not_entailment", "entailment"),
+}
+SUPER_GLUE_LABELS: dict[str, tuple[str, ...]] = {
+    "boolq": ("False", "True"),
+    "cb": ("entailment", "contradiction", "neutral"),
+    "copa": ("choice1", "choice2"),
+    "multirc": ("False", "True"),
+    "rte": ("entailment", "not_entailment"),
+    "wic": ("False", "True"),
+    "wsc": ("False", "True"),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _label(counter, line, value, accepted: Mapping[str, int]) -> int | None:
+    key = str(value).strip()
+    if key not in accepted:
+        counter.bad(line, f"unknown label {value!r}; accepted: {sorted(accepted)}")
+        return None
+    return accepted[key]
+
+
+def _float(counter, line, value, name, lo=None, hi=None) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        counter.bad(line, f"{name}={value!r} is not a number")
+        return None
+    if not np.isfinite(x) or (lo is not None and x < lo) or (hi is not None and x > hi):
+        counter.bad(line, f"{name}={value!r} outside [{lo}, {hi}]")
+        return None
+    return x
+
+
+def _int(counter, line, value, name) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        counter.bad(line, f"{name}={value!r} is not an integer")
+        return None
+
+
+def _bool_label(counter, line, value) -> int | None:
+    if isinstance(value, bool):
+        return int(value)
+    if value in (0, 1):
+        return int(value)
+    counter.bad(line, f"unknown label {value!r}; accepted: true, false")
+    return None
+
+
+def _text(counter, line, row, key) -> str | None:
+    value = row.get(key)
+    if not isinstance(value, str):
+        counter.bad(line, f"field {key!r} is {value!r}, expected a string")
+        return None
+    return value
+
+
+# -------------------------------------------------------------------------- GLUE readers
+
+
+def _glue_pair(first: str, second: str, label_key: str, labels: Mapping[str, int],
+               header: Sequence[str] | bool = True, out=("sentence1", "sentence2")) -> Reader:
+    def read(path, counter):
+        rows = []
+        for line, r in files.read_tsv(path, header=header, counter=counter):
+            label = _label(counter, line, r[label_key], labels)
+            if label is not None:
+                rows.append({out[0]: r[first], out[1]: r[second], "label": label,
+                             "idx": len(rows)})
+        return rows
+    return read
+
+
+def _read_cola(path, counter):
+    rows = []
+    for line, r in files.read_tsv(path, num_fields=4, counter=counter):
+        label = _label(counter, line, r[1], {"0": 0, "1": 1})
+        if label is not None:
+            rows.append({"sentence": r[3], "label": label, "idx": len(rows)})
+    return rows
+
+
+def _read_sst2(path, counter):
+    rows = []
+    for line, r in files.read_tsv(path, header=("sentence", "label"), counter=counter):
+        label = _label(counter, line, r["label"], {"0": 0, "1": 1})
+        if label is not None:
+            rows.append({"sentence": r["sentence"], "label": label, "idx": len(rows)})
+    return rows
+
+
+def _read_stsb(path, counter):
+    rows = []
+    for line, r in files.read_tsv(path, header=True, counter=counter):
+        if "score" not in r:
+            counter.bad(line, f"no 'score' column in the header {list(r)}; a labelled "
+                        "STS-B file has 10 columns ending in 'score'")
+            continue
+        score = _float(counter, line, r["score"], "score", 0.0, 5.0)
+        if score is not None:
+            rows.append({"sentence1": r["sentence1"], "sentence2": r["sentence2"],
+                         "label": np.float32(score), "idx": len(rows)})
+    return rows
+
+
+def _read_mnli(path, counter):
+    labels = {n: i for i, n in enumerate(GLUE_LABELS["mnli"])}
+    rows = []
+    for line, r in files.read_tsv(path, header=True, counter=counter):
+        if "gold_label" not in r:
+            counter.bad(line, "no 'gold_label' column in the header")
+            continue
+        label = _label(counter, line, r["gold_label"], labels)
+        if label is not None:
+            rows.append({"premise": r["sentence1"], "hypothesis": r["sentence2"],
+                         "label": label, "idx": len(rows)})
+    return rows
+
+
+def _names(task):
+    return {n: i for i, n in enumerate(GLUE_LABELS[task])}
+
+
+_MRPC_HEADER = ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String")
+
+# -------------------------------------------------------------------- SuperGLUE readers
+
+
+def _jsonl(required: Sequence[str], convert: Callable[[Any, int, Row], Row | None]) -> Reader:
+    def read(path, counter):
+        rows = []
+        for line, r in files.read_jsonl(path, required=required, counter=counter):
+            row = convert(counter, line, r)
+            if row is not None:
+                row["idx"] = _int(counter, line, r.get("idx", len(rows)), "idx")
+                if row["idx"] is not None:
+                    rows.append(row)
+        return rows
+    return read
+
+
+def _sg_classes(task):
+    return {n: i for i, n in enumerate(SUPER_GLUE_LABELS[task])}
+
+
+def _boolq(counter, line, r):
+    label = _bool_label(counter, line, r["label"])
+    q, p = _text(counter, line, r, "question"), _text(counter, line, r, "passage")
+    if None in (label, q, p):
+        return None
+    return {"question": q, "passage": p, "label": label}
+
+
+def _nli(task):
+    classes = _sg_classes(task)
+
+    def convert(counter, line, r):
+        label = _label(counter, line, r["label"], classes)
+        p, h = _text(counter, line, r, "premise"), _text(counter, line, r, "hypothesis")
+        if None in (label, p, h):
+            return None
+        return {"premise": p, "hypothesis": h, "label": label}
+    return convert
+
+
+def _copa(counter, line, r):
+    label = r["label"] if r["label"] in (0, 1) and not isinstance(r["label"], bool) else None
+    if label is None:
+        counter.bad(line, f"unknown label {r['label']!r}; accepted: 0, 1")
+        return None
+    if r["question"] not in ("cause", "effect"):
+        counter.bad(line, f"question={r['question']!r}; accepted: 'cause', 'effect'")
+        return None
+    texts = [_text(counter, line, r, k) for k in ("premise", "choice1", "choice2")]
+    if None in texts:
+        return None
+    return {"premise": texts[0], "choice1": texts[1], "choice2": texts[2],
+            "question": r["question"], "label": label}
+
+
+def _wic(counter, line, r):
+    label = _bool_label(counter, line, r["label"])
+    texts = [_text(counter, line, r, k) for k in ("word", "sentence1", "sentence2")]
+    if label is None or None in texts:
+        return None
+    return {"word": texts[0], "sentence1": texts[1], "sentence2": texts[2], "label": label}
+
+
+def _wsc(counter, line, r):
+    label = _bool_label(counter, line, r["label"])
+    text = _text(counter, line, r, "text")
+    target = r["target"]
+    if label is None or text is None:
+        return None
+    if not isinstance(target, dict) or not all(
+        k in target for k in ("span1_index", "span2_index", "span1_text", "span2_text")):
+        counter.bad(line, f"target={target!r} lacks span1/2_index and span1/2_text")
+        return None
+    i1 = _int(counter, line, target["span1_index"], "span1_index")
+    i2 = _int(counter, line, target["span2_index"], "span2_index")
+    if i1 is None or i2 is None:
+        return None
+    return {"text": text, "span1_index": i1, "span2_index": i2,
+            "span1_text": str(target["span1_text"]), "span2_text": str(target["span2_text"]),
+            "label": label}
+
+
+def _read_multirc(path, counter):
+    """One row per (paragraph, question, answer), as TFDS `super_glue/multirc`."""
+    rows = []
+    for line, r in files.read_jsonl(path, required=("idx", "passage"), counter=counter):
+        passage = r["passage"]
+        if not isinstance(passage, dict) or not isinstance(passage.get("text"), str) or \
+                not isinstance(passage.get("questions"), list):
+            counter.bad(line, "passage must be an object with 'text' and a 'questions' list")
+            continue
+        found = []
+        try:
+            for q in passage["questions"]:
+                for a in q["answers"]:
+                    label = a.get("label")
+                    if label not in (0, 1, True, False):
+                        raise ValueError(f"answer {a.get('idx')!r} has label {label!r}; "
+                                         "accepted: 0, 1, true, false")
+                    found.append({
+                        "paragraph": passage["text"], "question": str(q["question"]),
+                        "answer": str(a["text"]), "label": int(label),
+                        "idx": {"paragraph": int(r["idx"]), "question": int(q["idx"]),
+                                "answer": int(a["idx"])},
+                    })
+        except (KeyError, TypeError, ValueError) as e:
+            counter.bad(line, f"malformed MultiRC question/answer: {e!r}")
+            continue
+        rows.extend(found)
+    return rows
+
+
+def _read_record(path, counter):
+    """One row per query with the passage's entities and the query's answers (TFDS)."""
+    rows = []
+    for line, r in files.read_jsonl(path, required=("idx", "passage", "qas"), counter=counter):
+        try:
+            passage = r["passage"]
+            text = passage["text"]
+            entities = sorted({text[e["start"]:e["end"] + 1] for e in passage["entities"]})
+            found = []
+            for qa in r["qas"]:
+                answers = sorted({a["text"] for a in qa.get("answers", [])})
+                found.append({"passage": text, "query": str(qa["query"]),
+                              "entities": entities, "answers": answers,
+                              "idx": {"passage": int(r["idx"]), "query": int(qa["idx"])}})
+        except (KeyError, TypeError, ValueError) as e:
+            counter.bad(line, f"malformed ReCoRD passage/query: {e!r}")
+            continue
+        rows.extend(found)
+    return rows
+
+
+# ----------------------------------------------------------------------- CS224N readers
+
+
+def _cs224n(columns: Sequence[str], convert: Callable[[Any, int, Row], Row | None]) -> Reader:
+    def read(path, counter):
+        rows = []
+        for line, r in files.read_csv(path, header=True, delimiter="\t", counter=counter):
+            missing = [c for c in columns if c not in r]
+            if missing:
+                raise files.DataFileError(
+                    f"{path}:1: header {list(r)} lacks columns {missing}; expected "
+                    f"{list(columns)} (the CS224N multitask csv layout)")
+            row = convert(counter, line, r)
+            if row is not None:
+                row["idx"] = len(rows)
+                rows.append(row)
+        return rows
+    return read
+
+
+def _cs_sst(counter, line, r):
+    label = _label(counter, line, r["sentiment"], {str(i): i for i in range(5)})
+    if label is None:
+        return None
+    return {"sentence": r["sentence"].strip(), "label": label}
+
+
+def _cs_quora(counter, line, r):
+    label = _label(counter, line, r["is_duplicate"],
+                   {"0": 0, "1": 1, "0.0": 0, "1.0": 1})
+    if label is None:
+        return None
+    return {"question1": r["sentence1"].strip(), "question2": r["sentence2"].strip(),
+            "label": label}
+
+
+def _cs_sts(counter, line, r):
+    score = _float(counter, line, r["similarity"], "similarity", 0.0, 5.0)
+    if score is None:
+        return None
+    return {"sentence1": r["sentence1"].strip(), "sentence2": r["sentence2"].strip(),
+            "label": np.float32(score)}
+
+
+# ------------------------------------------------------------------------------ layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one data set's files live and how to read them.
+
+    Attributes:
+      folder: folder under the data directory, e.g. "glue/CoLA".
+      splits: split name -> candidate file names inside `folder` (first present wins).
+      reader: (path, BadRowCounter) -> rows shaped like the TFDS features.
+      how_to_obtain: appended to a missing-file error.
+      tfds_name: the TFDS data set ("glue/cola:2.0.0"), or None.
+      tfds_splits: split name -> TFDS split name, for the splits TFDS has with labels.
+    """
+
+    folder: str
+    splits: Mapping[str, tuple[str, ...]]
+    reader: Reader
+    how_to_obtain: str
+    tfds_name: str | None = None
+    tfds_splits: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+_GLUE_HOW = ("download the GLUE data (https://gluebenchmark.com/tasks, or the "
+             "download_glue_data.py script) and unpack <Task>/ under <data_dir>/glue/")
+_MRPC_HOW = ("put the original MSR paraphrase files (msr_paraphrase_train.txt, "
+             "msr_paraphrase_test.txt from the Microsoft Research Paraphrase Corpus) or GLUE's "
+             "MRPC train.tsv/dev.tsv under <data_dir>/glue/MRPC/")
+_SG_HOW = ("download SuperGLUE (https://super.gluebenchmark.com/tasks) and unpack <Task>/ under "
+           "<data_dir>/super_glue/; FewGLUE train_32shot.jsonl files come from "
+           "https://github.com/timoschick/fewglue")
+_CS_HOW = ("copy the CS224N default final project data files (ids-sst-*, quora-*, sts-*.csv) "
+           "into <data_dir>/cs224n/")
+
+
+def _glue(folder, reader, tfds, splits=None, tfds_splits=None, how=_GLUE_HOW):
+    splits = splits or {"train": ("train.tsv",), "validation": ("dev.tsv",)}
+    tfds_splits = tfds_splits or {s: s for s in splits}
+    return Layout(f"glue/{folder}", splits, reader, how, f"glue/{tfds}:2.0.0", tfds_splits)
+
+
+GLUE_LAYOUTS: dict[str, Layout] = {
+    "cola": _glue("CoLA", _read_cola, "cola"),
+    "sst2": _glue("SST-2", _read_sst2, "sst2"),
+    "mrpc": _glue(
+        "MRPC", _glue_pair("#1 String", "#2 String", "Quality", {"0": 0, "1": 1}, _MRPC_HEADER),
+        "mrpc",
+        splits={"train": ("train.tsv", "msr_paraphrase_train.txt"),
+                "validation": ("dev.tsv", "msr_paraphrase_test.txt")},
+        how=_MRPC_HOW),
+    "qqp": _glue("QQP", _glue_pair("question1", "question2", "is_duplicate", {"0": 0, "1": 1},
+                                   out=("question1", "question2")), "qqp"),
+    "stsb": _glue("STS-B", _read_stsb, "stsb",
+                  splits={"train": ("train.tsv",), "validation": ("dev.tsv",),
+                          "test": ("test_with_labels.tsv",)},
+                  tfds_splits={"train": "train", "validation": "validation"}),
+    "mnli": _glue("MNLI", _read_mnli, "mnli",
+                  splits={"train": ("train.tsv",),
+                          "validation_matched": ("dev_matched.tsv",),
+                          "validation_mismatched": ("dev_mismatched.tsv",)}),
+    "qnli": _glue("QNLI", _glue_pair("question", "sentence", "label", _names("qnli"),
+                                     out=("question", "sentence")), "qnli"),
+    "rte": _glue("RTE", _glue_pair("sentence1", "sentence2", "label", _names("rte")), "rte"),
+    "wnli": _glue("WNLI", _glue_pair("sentence1", "sentence2", "label", {"0": 0, "1": 1}),
+                  "wnli"),
+}
+
+
+def _sg(folder, reader, tfds):
+    splits = {"train": ("train.jsonl",), "validation": ("val.jsonl",),
+              "train_32shot": ("train_32shot.jsonl",)}
+    return Layout(f"super_glue/{folder}", splits, reader, _SG_HOW,
+                  f"super_glue/{tfds}:1.0.2", {"train": "train", "validation": "validation"})
+
+
+SUPER_GLUE_LAYOUTS: dict[str, Layout] = {
+    "boolq": _sg("BoolQ", _jsonl(("question", "passage", "label"), _boolq), "boolq"),
+    "cb": _sg("CB", _jsonl(("premise", "hypothesis", "label"), _nli("cb")), "cb"),
+    "copa": _sg("COPA", _jsonl(("premise", "choice1", "choice2", "question", "label"), _copa),
+                "copa"),
+    "multirc": _sg("MultiRC", _read_multirc, "multirc"),
+    "record": _sg("ReCoRD", _read_record, "record"),
+    "rte": _sg("RTE", _jsonl(("premise", "hypothesis", "label"), _nli("rte")), "rte"),
+    "wic": _sg("WiC", _jsonl(("word", "sentence1", "sentence2", "label"), _wic), "wic"),
+    "wsc": _sg("WSC", _jsonl(("text", "target", "label"), _wsc), "wsc.fixed"),
+}
+
+CS224N_LAYOUTS: dict[str, Layout] = {
+    "sst": Layout("cs224n", {"train": ("ids-sst-train.csv",), "validation": ("ids-sst-dev.csv",)},
+                  _cs224n(("sentence", "sentiment"), _cs_sst), _CS_HOW),
+    "quora": Layout("cs224n", {"train": ("quora-train.csv",), "validation": ("quora-dev.csv",)},
+                    _cs224n(("sentence1", "sentence2", "is_duplicate"), _cs_quora), _CS_HOW),
+    "sts": Layout("cs224n", {"train": ("sts-train.csv",), "validation": ("sts-dev.csv",)},
+                  _cs224n(("sentence1", "sentence2", "similarity"), _cs_sts), _CS_HOW),
+}
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def _locate(layout: Layout, split: str, data_dir: pathlib.Path) -> pathlib.Path:
+    if split not in layout.splits:
+        raise ValueError(f"split={split!r} is not one of {sorted(layout.splits)} for "
+                         f"{layout.folder}")
+    names = layout.splits[split]
+    folder = data_dir / layout.folder
+    for name in names:
+        if (folder / name).exists():
+            return files.require_file(folder / name, layout.how_to_obtain)
+    expected = " or ".join(repr(str(folder / n)) for n in names)
+    raise files.DataFileError(f"missing data file {expected} for split {split!r}; "
+                              f"{layout.how_to_obtain}")
+
+
+@functools.lru_cache(maxsize=64)
+def _read_cached(reader: Reader, path: str, mtime_ns: int, size: int, on_bad_row: str):
+    del mtime_ns, size  # part of the cache key only: an edited file is read again
+    counter = files.BadRowCounter(pathlib.Path(path), on_bad_row)
+    rows = reader(pathlib.Path(path), counter)
+    if not rows:
+        raise files.DataFileError(
+            f"data file {path!r} has no readable examples"
+            + (f" ({counter.skipped} bad rows skipped)" if counter.skipped else ""))
+    return tuple(rows)
+
+
+def read_rows(layout: Layout, split: str, data_dir: str | os.PathLike,
+              on_bad_row: str = "raise") -> tuple[Row, ...]:
+    """Rows of `split` from the official file, shaped like the TFDS features.
+
+    Raises:
+      ValueError: unknown split or policy.
+      files.DataFileError: missing/empty file (naming the path and how to obtain it) or,
+        with on_bad_row="raise", a malformed row (naming file and line).
+    """
+    if on_bad_row not in files.BAD_ROW_POLICIES:
+        raise ValueError(f"on_bad_row={on_bad_row!r}; accepted: {files.BAD_ROW_POLICIES}")
+    path = _locate(layout, split, pathlib.Path(data_dir))
+    stat = path.stat()
+    return _read_cached(layout.reader, str(path), stat.st_mtime_ns, stat.st_size, on_bad_row)
+
+
+def _columns(rows: Sequence[Row]) -> dict[str, Any]:
+    """Row dicts -> dict of tensors (nested dicts kept; lists of strings become ragged)."""
+    out = {}
+    for key, first in rows[0].items():
+        values = [r[key] for r in rows]
+        if isinstance(first, dict):
+            out[key] = _columns(values)
+        elif isinstance(first, list):
+            out[key] = tf.ragged.constant(values, dtype=tf.string, ragged_rank=1) \
+                if any(values) else tf.zeros([len(values), 0], tf.string)
+        elif isinstance(first, str):
+            out[key] = tf.constant(values, tf.string)
+        elif isinstance(first, (float, np.floating)):
+            out[key] = tf.constant(values, tf.float32)
+        else:
+            out[key] = tf.constant(values, tf.int32)
+    return out
+
+
+class OfficialFilesSource(seqio.DataSource):
+    """A seqio DataSource over a `Layout`'s files, or a prepared TFDS copy.
+
+    The folders are resolved at `get_dataset` / `num_input_examples` time through the given
+    callables, so that registering a task touches no file.
+
+    Args:
+      layout: the data set's `Layout`.
+      data_dir: () -> data folder (e.g. `ktx.tasks.config.get_data_dir`).
+      tfds_data_dir: () -> TFDS folder or None; TFDS is used for a split when the folder
+        is set, the split has a TFDS counterpart and the data set is prepared there.
+      on_bad_row: () -> "raise" | "skip".
+    """
+
+    def __init__(self, layout: Layout, data_dir: Callable[[], os.PathLike | str],
+                 tfds_data_dir: Callable[[], str | None] = lambda: None,
+                 on_bad_row: Callable[[], str] = lambda: "raise"):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout={layout!r}: expected a glue_sources.Layout")
+        super().__init__(splits=tuple(layout.splits))
+        self._layout = layout
+        self._data_dir = data_dir
+        self._tfds_data_dir = tfds_data_dir
+        self._on_bad_row = on_bad_row
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def supports_arbitrary_sharding(self) -> bool:
+        return True
+
+    def _tfds_builder(self, split: str):
+        folder = self._tfds_data_dir()
+        if not folder or not self._layout.tfds_name or split not in self._layout.tfds_splits:
+            return None
+        import tensorflow_datasets as tfds  # only when a TFDS folder is configured
+
+        builder = tfds.builder(self._layout.tfds_name, data_dir=folder)
+        return builder if builder.is_prepared() else None
+
+    def list_shards(self, split: str) -> Sequence[str]:
+        if self._tfds_builder(split) is not None:
+            return [f"tfds:{self._layout.tfds_name}[{self._layout.tfds_splits[split]}]"]
+        return [str(_locate(self._layout, split, pathlib.Path(self._data_dir())))]
+
+    def num_input_examples(self, split: str) -> int:
+        builder = self._tfds_builder(split)
+        if builder is not None:
+            return builder.info.splits[self._layout.tfds_splits[split]].num_examples
+        return len(read_rows(self._layout, split, self._data_dir(), self._on_bad_row()))
+
+    def get_dataset(self, split: str = "train", shuffle: bool = True,
+                    seed: int | None = None, shard_info: seqio.ShardInfo | None = None,
+                    *, sequence_length=None, use_cached=False, num_epochs=1) -> tf.data.Dataset:
+        del sequence_length, use_cached, num_epochs
+        builder = self._tfds_builder(split)
+        if builder is not None:
+            ds = builder.as_dataset(split=self._layout.tfds_splits[split], shuffle_files=False)
+            n = None
+        else:
+            rows = read_rows(self._layout, split, self._data_dir(), self._on_bad_row())
+            ds = tf.data.Dataset.from_tensor_slices(_columns(rows))
+            n = len(rows)
+        if shard_info is not None:
+            ds = ds.shard(shard_info.num_shards, shard_info.index)
+        if shuffle:
+            ds = ds.shuffle(n or 100_000, seed=seed, reshuffle_each_iteration=True)
+        return ds

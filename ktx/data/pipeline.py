@@ -1,0 +1,401 @@
+"""The cached multi-task training input: a pure function of (seed, step).
+
+`MultiTaskInput` runs each SeqIO task of a mixture once (`task.get_dataset(lengths,
+split, shuffle=False)`), converts its examples with `ktx.data.feature_converter` (packing,
+when on, happens per task, so a packed row holds one task only) and keeps the rows in
+memory as compact numpy arrays (optionally also on disk under `cache_dir`). The batch of
+step `s` is then assembled with numpy gathers:
+
+* layout `"task_partitioned"`: the global batch holds `counts[t]` rows of task `t` in
+  contiguous blocks, task 0 first (`task_counts(s)`, from the mixing rates by
+  largest-remainder rounding). Task `t` reads its rows in the order of a per-(seed, task,
+  epoch) permutation, starting at the cursor `sum of its counts over steps < s`, which
+  `RateSchedule.consumed_before` computes in closed form (also for annealed rates).
+  Every row is read exactly once per task epoch; nothing is lost or repeated on resume.
+* layout `"sampled"`: each row's task is drawn with the step's rates and its example
+  uniformly (with replacement) from a step-seeded generator; `task_counts` is None.
+
+Task ids are indices in the mixture's registration order (sub-mixtures flattened in
+place, first occurrence wins), not the alphabetical order of `seqio.Mixture.tasks`.
+
+Each process gathers only its own rows: rows `[i * B / P, (i + 1) * B / P)` of the
+global batch for `process_index = i` of `P`; `jax.make_array_from_process_local_data`
+(`ktx.partitioning.host_local_to_global`) assembles the global array.
+
+Memory: the cache holds every converted row of every task, about
+`rows * (Le + 3 Ld) * 2` bytes (tokens stored as uint16, packed positions and segment
+ids adding `2 (Le + Ld)` more), e.g. GLUE+SuperGLUE at 512/32 is a few hundred MB
+(`cache_nbytes`). It is unsuitable for corpora that do not fit in host memory (C4-sized
+pre-training data): stream those with seqio's own `get_dataset` instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import seqio
+
+from ktx.data import feature_converter as fc
+from ktx.data import mixing as mixing_lib
+
+__all__ = ["LAYOUTS", "MultiTaskInput", "mixture_task_names", "mixture_rates"]
+
+LAYOUTS = ("task_partitioned", "sampled")
+_CACHE_FORMAT = 1
+
+
+def _get_provider(name: str) -> seqio.Task | seqio.Mixture:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"mixture_or_task_name={name!r}; accepted: a registered SeqIO task or mixture name")
+    try:
+        return seqio.get_mixture_or_task(name)
+    except ValueError as e:
+        raise ValueError(
+            f"mixture_or_task_name={name!r} is not registered ({e}); did you import ktx.tasks?"
+        ) from e
+
+
+def mixture_task_names(mixture_or_task_name: str) -> tuple[str, ...]:
+    """Task names in registration order (task id = index); sub-mixtures flattened."""
+    provider = _get_provider(mixture_or_task_name)
+    if isinstance(provider, seqio.Task):
+        return (provider.name,)
+    names: list[str] = []
+    for name in provider.rate_per_task_name:
+        for sub in mixture_task_names(name):
+            if sub not in names:
+                names.append(sub)
+    return tuple(names)
+
+
+def mixture_rates(mixture_or_task_name: str) -> np.ndarray:
+    """`[T]` the rates the mixture was registered with (1 for a single task)."""
+    provider = _get_provider(mixture_or_task_name)
+    names = mixture_task_names(mixture_or_task_name)
+    if isinstance(provider, seqio.Task):
+        return np.ones(1)
+    rates = []
+    for name in names:
+        try:
+            rates.append(float(provider.get_rate(seqio.get_mixture_or_task(name))))
+        except Exception as e:  # rate functions may need task statistics that are absent
+            raise ValueError(
+                f"mixture {mixture_or_task_name!r}: the registered rate of task {name!r} cannot "
+                f"be computed ({type(e).__name__}: {e}); pass mixing='proportional' (or another "
+                f"ktx.data.mixing kind) to compute rates from the cached task sizes"
+            ) from e
+    return np.asarray(rates)
+
+
+class MultiTaskInput:
+    """Deterministic multi-task batches of a SeqIO task or mixture (interface §3).
+
+    Args:
+      mixture_or_task_name: a registered SeqIO task or mixture (tasks need `inputs` and
+        `targets` output features).
+      task_feature_lengths: `{"inputs": Le, "targets": Ld}`; longer examples are trimmed
+        by the task (`trim_output_features=True`), as in T5X.
+      batch_size: the GLOBAL batch size (divisible by `process_count`).
+      split: the training split.
+      seed: seeds the per-task permutations and the sampled layout.
+      layout: "task_partitioned" or "sampled" (see the module docstring).
+      mixing: a `ktx.data.mixing.Mixing`, a kind name, or None for the mixture's rates.
+      pack: pack several examples of one task per row.
+      use_cached: read seqio's offline cache of the tasks (`get_dataset(use_cached=...)`).
+      cache_dir: when set, converted arrays are saved to / loaded from
+        `<cache_dir>/<task>/<split>-<hash>.npz` (hash of lengths, pack and seed).
+      process_index, process_count: this process and the number of processes.
+      min_rows_per_task: rows per batch guaranteed to each task with a positive rate
+        ("task_partitioned" only; see `ktx.data.mixing` on tiny rates).
+      shuffle: read each task in a fresh permutation per epoch (else in stored order).
+    """
+
+    def __init__(
+        self,
+        mixture_or_task_name: str,
+        task_feature_lengths: Mapping[str, int],
+        batch_size: int,
+        split: str = "train",
+        seed: int = 0,
+        layout: str = "task_partitioned",
+        mixing: mixing_lib.Mixing | str | None = None,
+        pack: bool = False,
+        use_cached: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+        process_index: int = 0,
+        process_count: int = 1,
+        min_rows_per_task: int = 0,
+        shuffle: bool = True,
+    ):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}; accepted: {LAYOUTS}")
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}; accepted: an int >= 1")
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(
+                f"process_index={process_index!r}, process_count={process_count!r}; "
+                "accepted: 0 <= process_index < process_count"
+            )
+        if batch_size % process_count:
+            raise ValueError(
+                f"batch_size={batch_size} is not divisible by process_count={process_count}"
+            )
+        lengths = dict(task_feature_lengths)
+        if set(lengths) != {"inputs", "targets"}:
+            raise ValueError(
+                f"task_feature_lengths={lengths!r}; accepted: a dict with keys 'inputs' and 'targets'"
+            )
+        for key, value in lengths.items():
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"task_feature_lengths[{key!r}]={value!r}; accepted: an int >= 1")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed={seed!r}; accepted: an int >= 0")
+
+        self.mixture_or_task_name = mixture_or_task_name
+        self.task_feature_lengths = lengths
+        self.batch_size = int(batch_size)
+        self.split = split
+        self.seed = int(seed)
+        self.layout = layout
+        self.mixing = mixing_lib.parse_mixing(mixing)
+        self.pack = bool(pack)
+        self.use_cached = bool(use_cached)
+        self.cache_dir = pathlib.Path(cache_dir) if cache_dir else None
+        self.process_index = int(process_index)
+        self.process_count = int(process_count)
+        self.shuffle = bool(shuffle)
+        self.task_names: tuple[str, ...] = mixture_task_names(mixture_or_task_name)
+        for name in self.task_names:
+            missing = {"inputs", "targets"} - set(seqio.get_mixture_or_task(name).output_features)
+            if missing:
+                raise ValueError(f"task {name!r} has no output feature(s) {sorted(missing)}; "
+                                 "MultiTaskInput converts encoder-decoder tasks (inputs, targets)")
+
+        self._train = [self._load(t, split, pack=self.pack) for t in range(self.num_tasks)]
+        self._eval: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+        self._permutations: dict[tuple[int, int], np.ndarray] = {}
+        self.task_sizes: tuple[int, ...] = tuple(
+            int(a["encoder_input_tokens"].shape[0]) for a in self._train
+        )
+        self.steps_per_epoch = max(1, sum(self.task_sizes) // self.batch_size)
+        self.schedule = self.mixing.schedule(
+            self.task_sizes,
+            self.batch_size,
+            steps_per_epoch=self.steps_per_epoch,
+            mixture_rates=mixture_rates(mixture_or_task_name) if self.mixing.kind == "mixture" else None,
+            min_count=min_rows_per_task if layout == "task_partitioned" else 0,
+        )
+        for t, name in enumerate(self.task_names):
+            positive = self.schedule.rates[:, t] > 0
+            if self.task_sizes[t] == 0 and positive.any():
+                raise ValueError(
+                    f"task {name!r} has no examples in split {split!r} but a positive mixing rate"
+                )
+            if layout == "task_partitioned" and (positive & (self.schedule.counts[:, t] == 0)).any():
+                logging.warning(
+                    "task %r (rate %.3g) gets 0 of %d rows per batch in the task-partitioned "
+                    "layout, so it is not trained on; raise min_rows_per_task or the batch "
+                    "size, or use layout='sampled'", name, float(self.schedule.rates[0, t]),
+                    self.batch_size,
+                )
+        logging.info(
+            "MultiTaskInput %s/%s: rows per task %s, %.1f MB cached, counts at step 0 %s",
+            mixture_or_task_name, split, dict(zip(self.task_names, self.task_sizes)),
+            self.cache_nbytes / 2**20, self.schedule.counts_at(0),
+        )
+
+    # ----------------------------------------------------------------------------- info
+    @property
+    def num_tasks(self) -> int:
+        return len(self.task_names)
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.batch_size // self.process_count
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Bytes held by the in-memory cache (training and loaded evaluation splits)."""
+        arrays = list(self._train) + list(self._eval.values())
+        return int(sum(v.nbytes for a in arrays for v in a.values()))
+
+    def task_id(self, task_name: str) -> int:
+        """The task id (mixture index) of `task_name`."""
+        if task_name not in self.task_names:
+            raise ValueError(f"task_name={task_name!r} is not in the mixture; tasks: {self.task_names}")
+        return self.task_names.index(task_name)
+
+    def task_counts(self, step: int) -> tuple[int, ...] | None:
+        """Rows of each task in the GLOBAL batch of `step` (contiguous blocks, task order);
+        None for the sampled layout."""
+        if self.layout == "sampled":
+            return None
+        return self.schedule.counts_at(self._step(step))
+
+    def rates(self, step: int) -> np.ndarray:
+        """`[T]` mixing rates in force at `step`."""
+        return self.schedule.rates_at(self._step(step))
+
+    def epochs_seen(self, step: int) -> np.ndarray:
+        """`[T]` passes over each task's rows made by the batches before `step`
+        (task-partitioned layout; the expected number for the sampled one)."""
+        step = self._step(step)
+        if self.layout == "sampled":
+            consumed = self.batch_size * self.schedule.rate_sum_before(step)
+        else:
+            consumed = self.schedule.consumed_before(step).astype(np.float64)
+        return consumed / np.maximum(np.asarray(self.task_sizes, np.float64), 1)
+
+    # ---------------------------------------------------------------------------- batches
+    def get_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of the global batch of `step`: int32 features
+        (`decoder_loss_weights` float32), each `[local_batch_size, ...]`, with `task_id`."""
+        step = self._step(step)
+        lo = self.process_index * self.local_batch_size
+        hi = lo + self.local_batch_size
+        if self.layout == "sampled":
+            return self._sampled_batch(step, lo, hi)
+        counts = np.asarray(self.schedule.counts_at(step), np.int64)
+        cursors = self.schedule.consumed_before(step)
+        block_starts = np.concatenate([[0], np.cumsum(counts)])
+        parts = []
+        for t in range(self.num_tasks):
+            a, b = max(lo, block_starts[t]), min(hi, block_starts[t + 1])
+            if a >= b:
+                continue
+            positions = cursors[t] + np.arange(a - block_starts[t], b - block_starts[t])
+            parts.append(self._gather(t, self._indices(t, positions)))
+        return self._concat(parts)
+
+    def _sampled_batch(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, 0x5A3D1ED, step])
+        tasks = rng.choice(self.num_tasks, size=self.batch_size, p=self.schedule.rates_at(step))
+        picks = rng.random(self.batch_size)
+        tasks, picks = tasks[lo:hi], picks[lo:hi]
+        out = {k: np.empty((hi - lo,) + v.shape[1:], fc.OUTPUT_DTYPES.get(k, np.int32))
+               for k, v in self._train[0].items()}
+        for t in np.unique(tasks):
+            rows = np.nonzero(tasks == t)[0]
+            indices = np.minimum((picks[rows] * self.task_sizes[t]).astype(np.int64), self.task_sizes[t] - 1)
+            for k, v in self._gather(int(t), indices).items():
+                out[k][rows] = v
+        return out
+
+    def eval_batches(
+        self, task_name: str, split: str = "validation", batch_size: int | None = None
+    ) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        """Yields `(batch, num_real)` over all examples of one task's split, in order.
+
+        Every global batch has `batch_size` rows (default: the training batch size),
+        the last one padded with zero rows (`decoder_loss_weights` 0, `task_id` of the
+        task); `batch` is this process's rows of it and `num_real` the number of real
+        (non-padding) rows in the global batch, which come first. Unpacked.
+        """
+        batch_size = self.batch_size if batch_size is None else batch_size
+        if batch_size < 1 or batch_size % self.process_count:
+            raise ValueError(
+                f"batch_size={batch_size!r}; accepted: an int >= 1 divisible by process_count={self.process_count}"
+            )
+        arrays = self.eval_arrays(task_name, split)
+        n = arrays["encoder_input_tokens"].shape[0]
+        local = batch_size // self.process_count
+        lo = self.process_index * local
+        for start in range(0, n, batch_size):
+            chunk = {k: v[start:start + batch_size] for k, v in arrays.items()}
+            num_real = chunk["task_id"].shape[0]
+            padded = fc.pad_rows(chunk, batch_size)
+            padded["task_id"][:] = self.task_id(task_name)
+            yield fc.widen({k: v[lo:lo + local] for k, v in padded.items()}), num_real
+
+    def eval_arrays(self, task_name: str, split: str = "validation") -> dict[str, np.ndarray]:
+        """All converted (unpacked, compact) rows of one task's split, with `task_id`."""
+        key = (task_name, split)
+        if key not in self._eval:
+            self._eval[key] = self._load(self.task_id(task_name), split, pack=False)
+        return self._eval[key]
+
+    # --------------------------------------------------------------------------- internals
+    def _step(self, step: int) -> int:
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step={step!r}; accepted: an int >= 0")
+        return int(step)
+
+    def _permutation(self, task: int, epoch: int) -> np.ndarray:
+        key = (task, epoch)
+        if key not in self._permutations:
+            if len(self._permutations) >= 2 * self.num_tasks + 2:
+                self._permutations.pop(next(iter(self._permutations)))  # oldest first
+            self._permutations[key] = np.random.default_rng([self.seed, task, epoch]).permutation(
+                self.task_sizes[task]
+            )
+        return self._permutations[key]
+
+    def _indices(self, task: int, positions: np.ndarray) -> np.ndarray:
+        size = self.task_sizes[task]
+        epochs, within = np.divmod(positions, size)
+        if not self.shuffle:
+            return within
+        out = np.empty_like(within)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            out[sel] = self._permutation(task, int(epoch))[within[sel]]
+        return out
+
+    def _gather(self, task: int, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return fc.widen({k: v[indices] for k, v in self._train[task].items()})
+
+    def _concat(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def _cache_path(self, task_name: str, split: str, pack: bool) -> pathlib.Path | None:
+        if self.cache_dir is None:
+            return None
+        key = json.dumps(
+            [_CACHE_FORMAT, self.task_feature_lengths, pack, self.seed, self.use_cached], sort_keys=True
+        )
+        digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+        return self.cache_dir / task_name / f"{split}-{digest}.npz"
+
+    def _load(self, task: int, split: str, *, pack: bool) -> dict[str, np.ndarray]:
+        name = self.task_names[task]
+        path = self._cache_path(name, split, pack)
+        if path is not None and path.is_file():
+            with np.load(path) as data:
+                arrays = {k: data[k] for k in data.files}
+            arrays["task_id"] = np.full(arrays["encoder_input_tokens"].shape[0], task, np.uint16)
+            return arrays
+        seqio_task = seqio.get_mixture_or_task(name)
+        if split not in seqio_task.splits:
+            raise ValueError(f"task {name!r} has no split {split!r}; splits: {tuple(seqio_task.splits)}")
+        ds = seqio_task.get_dataset(
+            sequence_length=self.task_feature_lengths,
+            split=split,
+            use_cached=self.use_cached,
+            shuffle=False,
+            seed=self.seed,
+            num_epochs=1,
+            trim_output_features=True,
+        )
+        keys = tuple(self.task_feature_lengths)
+        ds = ds.map(lambda ex: {k: ex[k] for k in keys}).padded_batch(
+            1024, padded_shapes={k: [self.task_feature_lengths[k]] for k in keys}
+        )
+        tokens = fc.tokens_from_batches(
+            ds.as_numpy_iterator(), self.task_feature_lengths, source=f"{name}/{split}"
+        )
+        arrays = fc.compact(fc.convert_enc_dec(
+            tokens, self.task_feature_lengths["inputs"], self.task_feature_lengths["targets"], pack=pack
+        ))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
+            np.savez(tmp, **arrays)
+            os.replace(tmp, path)
+        arrays["task_id"] = np.full(arrays["encoder_input_tokens"].shape[0], task, np.uint16)
+        return arrays

@@ -1,0 +1,497 @@
+"""Multi-behaviour interaction data for the MetaBalance recommendation study.
+
+Three layouts are read (each bad row raises or is counted naming its file and line,
+through `ktx.data.files`):
+
+* UserBehavior (Taobao): headerless CSV `user,item,category,behavior,timestamp`,
+  behaviours `pv`, `buy`, `cart`, `fav` (named `click`, `buy`, `cart`, `collect` here).
+* IJCAI-15 / Tmall `user_log_format1.csv`: header
+  `user_id,item_id,cat_id,seller_id,brand_id,time_stamp,action_type`, action types
+  0 click, 1 add-to-cart, 2 purchase, 3 add-to-favourite.
+* Per-behaviour pair files: `<behaviour>.txt` with one `user item` pair per line (ids
+  already contiguous), optionally with given target splits `validation.txt`, `test.txt`
+  and `data_size.txt` (`num_users num_items`), as in the shared Tmall folder.
+
+Preprocessing follows the MetaBalance paper (He et al., 2022): keep users with at least
+`min_user_purchases` target interactions and items bought by at least
+`min_item_buyers` users, split each user's target interactions 70/10/20 into
+train/validation/test, merge the auxiliary behaviours into training and remove from
+them every user-item pair in the target's validation or test split (leakage).
+
+`RecsysTrainInput` (interface §3) yields task-partitioned batches: each step holds a
+fixed block of rows per behaviour (target first), positives with label 1 and
+`num_negatives` uniformly drawn non-interacted items per positive with label 0, the
+negatives and order re-drawn every epoch from `(seed, epoch, task)` only, so a batch is
+a pure function of `(seed, step)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+
+from ktx.data import files
+
+__all__ = [
+    "USER_BEHAVIOR_ACTIONS",
+    "IJCAI15_ACTIONS",
+    "Interactions",
+    "MultiBehaviorData",
+    "read_user_behavior",
+    "read_ijcai15_log",
+    "read_pair_file",
+    "read_pair_dir",
+    "prepare_multibehavior",
+    "load_tmall_pairs",
+    "RecsysTrainInput",
+    "user_item_lists",
+]
+
+USER_BEHAVIOR_ACTIONS = {"pv": "click", "buy": "buy", "cart": "cart", "fav": "collect"}
+IJCAI15_ACTIONS = {"0": "click", "1": "cart", "2": "buy", "3": "collect"}
+IJCAI15_HEADER = ("user_id", "item_id", "cat_id", "seller_id", "brand_id", "time_stamp", "action_type")
+_HOW = "see /work/shared/data/README.md (recsys/) for the expected layout"
+
+
+def _parse_id(text: str, what: str, counter: files.BadRowCounter, line: int) -> int | None:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        counter.bad(line, f"{what} {text!r} is not an integer id")
+        return None
+    if value < 0:
+        counter.bad(line, f"{what} {value} is negative")
+        return None
+    return value
+
+
+@dataclasses.dataclass
+class Interactions:
+    """Raw interactions per behaviour: `pairs[b]` is int64 `[n_b, 2]` of (user, item) ids."""
+
+    pairs: dict[str, np.ndarray]
+
+    def behaviours(self) -> tuple[str, ...]:
+        return tuple(self.pairs)
+
+
+def _collect(rows: Iterable[tuple[str, int, int]]) -> Interactions:
+    acc: dict[str, list[tuple[int, int]]] = {}
+    for behaviour, user, item in rows:
+        acc.setdefault(behaviour, []).append((user, item))
+    return Interactions({b: np.asarray(v, np.int64).reshape(-1, 2) for b, v in acc.items()})
+
+
+def read_user_behavior(
+    path: str | os.PathLike, *, on_bad_row: str = "raise"
+) -> Interactions:
+    """Reads the UserBehavior CSV (`user,item,category,behavior,timestamp`, no header)."""
+    path = files.require_file(path, _HOW)
+    counter = files.BadRowCounter(path, on_bad_row)
+
+    def rows():
+        for line, text in files.read_lines(path):
+            if not text.strip():
+                continue
+            fields = text.split(",")
+            if len(fields) != 5:
+                counter.bad(line, f"expected 5 comma-separated fields "
+                            f"(user,item,category,behavior,timestamp), found {len(fields)}")
+                continue
+            action = fields[3].strip()
+            if action not in USER_BEHAVIOR_ACTIONS:
+                counter.bad(line, f"unknown behaviour {action!r}; accepted: {sorted(USER_BEHAVIOR_ACTIONS)}")
+                continue
+            user = _parse_id(fields[0], "user", counter, line)
+            item = _parse_id(fields[1], "item", counter, line) if user is not None else None
+            if user is None or item is None:
+                continue
+            yield USER_BEHAVIOR_ACTIONS[action], user, item
+        counter.report()
+
+    return _collect(rows())
+
+
+def read_ijcai15_log(path: str | os.PathLike, *, on_bad_row: str = "raise") -> Interactions:
+    """Reads IJCAI-15 `user_log_format1.csv` (header `user_id,...,action_type`)."""
+    path = files.require_file(path, _HOW)
+    counter = files.BadRowCounter(path, on_bad_row)
+
+    def rows():
+        for line, row in files.read_csv(path, header=IJCAI15_HEADER, counter=counter):
+            action = row["action_type"].strip()
+            if action not in IJCAI15_ACTIONS:
+                counter.bad(line, f"unknown action_type {action!r}; accepted: "
+                            f"{dict(IJCAI15_ACTIONS)}")
+                continue
+            user = _parse_id(row["user_id"], "user_id", counter, line)
+            item = _parse_id(row["item_id"], "item_id", counter, line) if user is not None else None
+            if user is None or item is None:
+                continue
+            yield IJCAI15_ACTIONS[action], user, item
+
+    return _collect(rows())
+
+
+def read_pair_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.ndarray:
+    """Reads `user item` lines (whitespace-separated) -> int64 `[n, 2]`."""
+    path = files.require_file(path, _HOW)
+    counter = files.BadRowCounter(path, on_bad_row)
+    out: list[tuple[int, int]] = []
+    for line, text in files.read_lines(path):
+        fields = text.split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            counter.bad(line, f"expected 2 whitespace-separated ids 'user item', found {len(fields)} fields")
+            continue
+        user = _parse_id(fields[0], "user", counter, line)
+        item = _parse_id(fields[1], "item", counter, line) if user is not None else None
+        if user is not None and item is not None:
+            out.append((user, item))
+    counter.report()
+    return np.asarray(out, np.int64).reshape(-1, 2)
+
+
+def read_pair_dir(
+    directory: str | os.PathLike,
+    behaviours: Sequence[str],
+    *,
+    on_bad_row: str = "raise",
+) -> Interactions:
+    """Reads `<directory>/<behaviour>.txt` for each behaviour."""
+    directory = pathlib.Path(directory)
+    return Interactions(
+        {b: read_pair_file(directory / f"{b}.txt", on_bad_row=on_bad_row) for b in behaviours}
+    )
+
+
+@dataclasses.dataclass
+class MultiBehaviorData:
+    """Preprocessed data; ids are contiguous in `[0, num_users)` x `[0, num_items)`.
+
+    Attributes:
+      behaviours: task names in task-id order, the target first.
+      train: behaviour -> int64 `[n, 2]` unique (user, item) training pairs.
+      validation, test: the target's held-out int64 `[n, 2]` pairs.
+      leakage_removed: behaviour -> auxiliary pairs removed because they are in the
+        target's validation or test split.
+    """
+
+    num_users: int
+    num_items: int
+    behaviours: tuple[str, ...]
+    train: dict[str, np.ndarray]
+    validation: np.ndarray
+    test: np.ndarray
+    leakage_removed: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def target(self) -> str:
+        return self.behaviours[0]
+
+    def summary(self) -> dict[str, int]:
+        out = {"users": self.num_users, "items": self.num_items}
+        out.update({f"train/{b}": len(p) for b, p in self.train.items()})
+        out.update({"validation": len(self.validation), "test": len(self.test)})
+        out.update({f"leakage_removed/{b}": n for b, n in self.leakage_removed.items()})
+        return out
+
+
+def _keys(pairs: np.ndarray, num_items: int) -> np.ndarray:
+    return pairs[:, 0].astype(np.int64) * num_items + pairs[:, 1].astype(np.int64)
+
+
+def _unique_pairs(pairs: np.ndarray) -> np.ndarray:
+    return np.unique(pairs.reshape(-1, 2), axis=0) if len(pairs) else pairs.reshape(0, 2)
+
+
+def _remove_pairs(pairs: np.ndarray, drop: np.ndarray, num_items: int) -> np.ndarray:
+    if not len(pairs) or not len(drop):
+        return pairs
+    return pairs[~np.isin(_keys(pairs, num_items), _keys(drop, num_items))]
+
+
+def _split_per_user(pairs: np.ndarray, fractions: Sequence[float], seed: int):
+    """Each user's pairs shuffled and cut `fractions` (train, val, test); rounding to train."""
+    rng = np.random.default_rng([seed, 7919])
+    order = rng.permutation(len(pairs))
+    pairs = pairs[order]
+    pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
+    users, starts, counts = np.unique(pairs[:, 0], return_index=True, return_counts=True)
+    n_val = np.floor(counts * fractions[1] + 0.5).astype(np.int64)
+    n_test = np.floor(counts * fractions[2] + 0.5).astype(np.int64)
+    n_train = counts - n_val - n_test
+    rank = np.arange(len(pairs)) - np.repeat(starts, counts)
+    part = np.where(
+        rank < np.repeat(n_train, counts), 0, np.where(rank < np.repeat(n_train + n_val, counts), 1, 2)
+    )
+    return pairs[part == 0], pairs[part == 1], pairs[part == 2]
+
+
+def prepare_multibehavior(
+    interactions: Interactions,
+    *,
+    target: str = "buy",
+    auxiliaries: Sequence[str] = ("collect", "cart"),
+    min_user_purchases: int = 0,
+    min_item_buyers: int = 0,
+    split_fractions: Sequence[float] = (0.7, 0.1, 0.2),
+    seed: int = 0,
+) -> MultiBehaviorData:
+    """Filters, re-indexes, splits the target 70/10/20 per user and removes leakage.
+
+    Items bought by fewer than `min_item_buyers` users are dropped first, then users
+    with fewer than `min_user_purchases` remaining purchases (one pass each). Users and
+    items that survive are re-indexed contiguously (in increasing raw id order);
+    auxiliary interactions of dropped users/items are dropped.
+    """
+    available = interactions.behaviours()
+    for name in (target, *auxiliaries):
+        if name not in available:
+            raise ValueError(f"behaviour {name!r} is not in the data; found {sorted(available)}")
+    if target in auxiliaries:
+        raise ValueError(f"auxiliaries={list(auxiliaries)!r} must not contain the target {target!r}")
+    fr = tuple(float(f) for f in split_fractions)
+    if len(fr) != 3 or min(fr) < 0 or abs(sum(fr) - 1.0) > 1e-6:
+        raise ValueError(f"split_fractions={split_fractions!r}: expected 3 non-negative fractions summing to 1")
+    for name, v in (("min_user_purchases", min_user_purchases), ("min_item_buyers", min_item_buyers)):
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}={v!r}: expected a non-negative int")
+    buys = _unique_pairs(interactions.pairs[target])
+    items, buyers = np.unique(buys[:, 1], return_counts=True)
+    buys = buys[np.isin(buys[:, 1], items[buyers >= min_item_buyers])]
+    users, purchases = np.unique(buys[:, 0], return_counts=True)
+    buys = buys[np.isin(buys[:, 0], users[purchases >= min_user_purchases])]
+    if not len(buys):
+        raise ValueError(
+            f"no {target!r} interactions left after min_user_purchases={min_user_purchases}, "
+            f"min_item_buyers={min_item_buyers}"
+        )
+    user_ids = np.unique(buys[:, 0])
+    item_ids = np.unique(buys[:, 1])
+
+    def reindex(pairs):
+        pairs = _unique_pairs(pairs)
+        keep = np.isin(pairs[:, 0], user_ids) & np.isin(pairs[:, 1], item_ids)
+        pairs = pairs[keep]
+        return np.stack(
+            [np.searchsorted(user_ids, pairs[:, 0]), np.searchsorted(item_ids, pairs[:, 1])], axis=1
+        ).astype(np.int64)
+
+    train, val, test = _split_per_user(reindex(buys), fr, seed)
+    return _assemble(
+        len(user_ids), len(item_ids), target, auxiliaries,
+        {target: train, **{a: reindex(interactions.pairs[a]) for a in auxiliaries}}, val, test,
+    )
+
+
+def _assemble(num_users, num_items, target, auxiliaries, train, val, test) -> MultiBehaviorData:
+    heldout = np.concatenate([val.reshape(-1, 2), test.reshape(-1, 2)])
+    out_train = {target: _unique_pairs(train[target])}
+    removed = {}
+    for a in auxiliaries:
+        pairs = _unique_pairs(train[a])
+        kept = _remove_pairs(pairs, heldout, num_items)
+        removed[a] = len(pairs) - len(kept)
+        out_train[a] = kept
+    return MultiBehaviorData(
+        num_users=int(num_users),
+        num_items=int(num_items),
+        behaviours=(target, *auxiliaries),
+        train=out_train,
+        validation=_unique_pairs(val),
+        test=_unique_pairs(test),
+        leakage_removed=removed,
+    )
+
+
+def load_tmall_pairs(
+    directory: str | os.PathLike | None = None,
+    *,
+    target: str = "buy",
+    auxiliaries: Sequence[str] = ("collect", "cart"),
+    on_bad_row: str = "raise",
+) -> MultiBehaviorData:
+    """The shared Tmall folder (given splits): `train.txt` (target train), `validation.txt`,
+    `test.txt`, `<aux>.txt`, `data_size.txt`; leakage removed from the auxiliaries.
+
+    `directory` defaults to `<data_dir>/recsys/tmall` (`KTX_DATA_DIR`).
+    """
+    if directory is None:
+        directory = files.resolve_data_dir() / "recsys" / "tmall"
+    directory = pathlib.Path(directory)
+    size_path = files.require_file(directory / "data_size.txt", _HOW)
+    fields = size_path.read_text().split()
+    if len(fields) != 2 or not all(f.isdigit() for f in fields):
+        raise files.DataFileError(f"{size_path}:1: expected 'num_users num_items', found {fields!r}")
+    num_users, num_items = int(fields[0]), int(fields[1])
+    train = {target: read_pair_file(directory / "train.txt", on_bad_row=on_bad_row)}
+    for a in auxiliaries:
+        train[a] = read_pair_file(directory / f"{a}.txt", on_bad_row=on_bad_row)
+    val = read_pair_file(directory / "validation.txt", on_bad_row=on_bad_row)
+    test = read_pair_file(directory / "test.txt", on_bad_row=on_bad_row)
+    for name, pairs in [*train.items(), ("validation", val), ("test", test)]:
+        if len(pairs) and (pairs[:, 0].max() >= num_users or pairs[:, 1].max() >= num_items):
+            raise files.DataFileError(
+                f"{directory / (name + '.txt')}: ids up to ({pairs[:, 0].max()}, {pairs[:, 1].max()}) "
+                f"exceed data_size.txt ({num_users} users, {num_items} items)"
+            )
+    return _assemble(num_users, num_items, target, auxiliaries, train, val, test)
+
+
+def _largest_remainder(total: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """Splits `total` rows over tasks in proportion to `sizes`, at least one row each."""
+    sizes = np.asarray(sizes, np.float64)
+    T = len(sizes)
+    if total < T:
+        raise ValueError(f"batch_size={total} is smaller than the number of tasks ({T})")
+    share = 1 + (total - T) * sizes / sizes.sum()
+    counts = np.floor(share).astype(np.int64)
+    rest = total - counts.sum()
+    counts[np.argsort(-(share - counts), kind="stable")[:rest]] += 1
+    return tuple(int(c) for c in counts)
+
+
+class RecsysTrainInput:
+    """Task-partitioned training batches over `MultiBehaviorData.train` (interface §3).
+
+    A task's epoch stream is its positives plus `num_negatives` negatives per positive,
+    shuffled; negatives are uniform over items the user has not interacted with in that
+    behaviour's training pairs (re-drawn on collision, up to 20 rounds). Every step takes
+    `task_counts()[t]` consecutive rows of task t's stream, cycling if the task's stream
+    is shorter than the epoch. `steps_per_epoch = max_t ceil(rows_t / count_t)`; with the
+    default proportional counts that is one pass over all rows.
+
+    Args:
+      data: the preprocessed data.
+      batch_size: global rows per step (interface: BATCH_SIZE).
+      num_negatives: negatives per positive.
+      seed: base seed; batch(step) depends only on (seed, step).
+      task_batch_sizes: explicit rows per task (sum = batch_size); default proportional
+        to each task's rows, at least 1.
+      process_index, process_count: this process's contiguous slice of the global batch.
+    """
+
+    def __init__(
+        self,
+        data: MultiBehaviorData,
+        *,
+        batch_size: int = 256,
+        num_negatives: int = 1,
+        seed: int = 0,
+        task_batch_sizes: Sequence[int] | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
+        if not isinstance(num_negatives, int) or num_negatives < 0:
+            raise ValueError(f"num_negatives={num_negatives!r}: expected a non-negative int")
+        self.data = data
+        self.task_names = tuple(data.behaviours)
+        self.num_tasks = len(self.task_names)
+        self.batch_size = batch_size
+        self.num_negatives = num_negatives
+        self.seed = int(seed)
+        self._pos = [data.train[b] for b in self.task_names]
+        for b, p in zip(self.task_names, self._pos):
+            if not len(p):
+                raise ValueError(f"behaviour {b!r} has no training pairs")
+        self.rows_per_task = tuple(len(p) * (1 + num_negatives) for p in self._pos)
+        if task_batch_sizes is None:
+            counts = _largest_remainder(batch_size, self.rows_per_task)
+        else:
+            counts = tuple(int(c) for c in task_batch_sizes)
+            if len(counts) != self.num_tasks or min(counts) < 1 or sum(counts) != batch_size:
+                raise ValueError(
+                    f"task_batch_sizes={task_batch_sizes!r}: expected {self.num_tasks} positive ints "
+                    f"summing to batch_size={batch_size}"
+                )
+        self._counts = counts
+        self.steps_per_epoch = int(max(-(-r // c) for r, c in zip(self.rows_per_task, counts)))
+        pi = jax.process_index() if process_index is None else process_index
+        pc = jax.process_count() if process_count is None else process_count
+        if batch_size % pc or not 0 <= pi < pc:
+            raise ValueError(
+                f"batch_size={batch_size} must divide evenly over process_count={pc} "
+                f"(process_index={pi})"
+            )
+        self.process_index, self.process_count = pi, pc
+        self._sorted_keys = [np.sort(_keys(p, data.num_items)) for p in self._pos]
+        self._cache: tuple[int, list[dict[str, np.ndarray]]] | None = None
+
+    def task_counts(self, step: int) -> tuple[int, ...]:
+        del step  # the layout is the same every step
+        return self._counts
+
+    def epoch_of(self, step: int) -> int:
+        return int(step) // self.steps_per_epoch
+
+    def _negatives(self, t: int, users: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        n_items = self.data.num_items
+        items = rng.integers(0, n_items, size=len(users))
+        keys = self._sorted_keys[t]
+        for _ in range(20):
+            k = users * n_items + items
+            pos = np.searchsorted(keys, k)
+            hit = (pos < len(keys)) & (keys[np.minimum(pos, len(keys) - 1)] == k)
+            if not hit.any():
+                break
+            items[hit] = rng.integers(0, n_items, size=int(hit.sum()))
+        return items
+
+    def epoch_rows(self, epoch: int) -> list[dict[str, np.ndarray]]:
+        """Task t's shuffled stream for `epoch` (positives + fresh negatives)."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        streams = []
+        for t, pos in enumerate(self._pos):
+            rng = np.random.default_rng([self.seed, int(epoch), t])
+            neg_users = np.repeat(pos[:, 0], self.num_negatives)
+            users = np.concatenate([pos[:, 0], neg_users])
+            items = np.concatenate([pos[:, 1], self._negatives(t, neg_users, rng)])
+            labels = np.concatenate([np.ones(len(pos), np.float32), np.zeros(len(neg_users), np.float32)])
+            order = rng.permutation(len(users))
+            streams.append({
+                "user": users[order].astype(np.int32),
+                "item": items[order].astype(np.int32),
+                "label": labels[order],
+            })
+        self._cache = (int(epoch), streams)
+        return streams
+
+    def get_global_batch(self, step: int) -> dict[str, np.ndarray]:
+        """All `batch_size` rows of `step`, task blocks contiguous in task order."""
+        if int(step) < 0:
+            raise ValueError(f"step={step!r}: expected >= 0")
+        epoch, within = divmod(int(step), self.steps_per_epoch)
+        streams = self.epoch_rows(epoch)
+        parts: dict[str, list[np.ndarray]] = {"user": [], "item": [], "label": [], "task_id": []}
+        for t, (stream, c) in enumerate(zip(streams, self._counts)):
+            idx = (within * c + np.arange(c)) % len(stream["user"])
+            for k in ("user", "item", "label"):
+                parts[k].append(stream[k][idx])
+            parts["task_id"].append(np.full(c, t, np.int32))
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+    def get_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's contiguous rows of the global batch of `step`."""
+        batch = self.get_global_batch(step)
+        n = self.batch_size // self.process_count
+        lo = self.process_index * n
+        return {k: v[lo:lo + n] for k, v in batch.items()}
+
+
+def user_item_lists(pairs: np.ndarray, num_users: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR of `pairs`: `(indptr [num_users + 1], items [n])`, items sorted per user."""
+    pairs = _unique_pairs(np.asarray(pairs).reshape(-1, 2))
+    counts = np.bincount(pairs[:, 0], minlength=num_users)
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return indptr, pairs[:, 1].astype(np.int64)
+

@@ -1,0 +1,308 @@
+"""The shared-bottom multi-behaviour recommender of the MetaBalance paper (He et al., 2022).
+
+Its Figure 4.4: user and item embeddings feed a shared bottom that combines an MLP over
+the concatenated embeddings (32, 16, 8) with a matrix-factorization layer (the
+element-wise product of the two embeddings, as in NeuMF, He et al., 2017); the two
+outputs are concatenated (`[batch, mlp_dims[-1] + embed_dim]`) and fed to one tower MLP
+(64, 32) per behaviour, each ending in one logit. Every task's loss is binary
+cross-entropy on its own rows (`task_id`), averaged per task (`loss_normalization=
+"per_task"`), so `loss_fn` is the sum of task means that the paper optimises.
+
+Batches (interface §1): `user` int32 `[B]`, `item` int32 `[B]`, `label` float32 `[B]`
+(1 for an interaction, 0 for a sampled negative), `task_id` int32 `[B]`.
+
+For full ranking, `RecsysModel` implements the scorer protocol of
+`ktx.metrics.ranking`: the first MLP layer, `W [u; i] + b`, splits into a user part
+`W_u u + b` and an item part `W_i i` computed once per user and once per item; the
+tower's first layer splits the same way over `[mlp_out; u * i]`, the
+matrix-factorization part being `i @ (u[:, None] * W_mf)` per user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from ktx import partitioning as P
+from ktx.models.base import BaseModel, Batch, segment_sum_by_task
+
+__all__ = [
+    "SharedBottomNet",
+    "RecsysModel",
+    "RECSYS_FEATURES",
+    "SHARED_PARAM_PATTERNS",
+]
+
+RECSYS_FEATURES = ("user", "item", "label", "task_id")
+# Parameters every task's loss touches (the ones a balancer balances): the embedding
+# tables and the shared bottom. The stacked per-task towers (`towers/...`) are touched
+# by one task per slice and are not balanced.
+SHARED_PARAM_PATTERNS = (r"^user_embedding/", r"^item_embedding/", r"^bottom/")
+
+
+def _check_dims(name: str, dims: Any) -> tuple[int, ...]:
+    dims = tuple(dims)
+    if not dims or not all(isinstance(d, int) and d > 0 for d in dims):
+        raise ValueError(f"{name}={dims!r}: expected a non-empty sequence of positive ints")
+    return dims
+
+
+class SharedBottomNet(nn.Module):
+    """`(user [B], item [B]) -> logits [B, num_tasks]` (every task's tower on every row).
+
+    Parameters (logical axes): `user_embedding/embedding [users, embed]`,
+    `item_embedding/embedding [items, embed]`, `bottom/layer_k/{kernel, bias}`
+    (`[in, mlp]`), `towers/layer_k/kernel [tasks, in, mlp]`, `towers/layer_k/bias
+    [tasks, mlp]`, `towers/out/kernel [tasks, in]`, `towers/out/bias [tasks]`.
+    """
+
+    num_users: int
+    num_items: int
+    num_tasks: int
+    embed_dim: int = 64
+    mlp_dims: Sequence[int] = (32, 16, 8)
+    tower_dims: Sequence[int] = (64, 32)
+    dropout_rate: float = 0.5
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        init = nn.initializers.normal(stddev=0.01)
+        self.user_embedding = nn.Embed(
+            self.num_users,
+            self.embed_dim,
+            embedding_init=nn.with_logical_partitioning(init, (P.USERS, P.EMBED)),
+            name="user_embedding",
+        )
+        self.item_embedding = nn.Embed(
+            self.num_items,
+            self.embed_dim,
+            embedding_init=nn.with_logical_partitioning(init, (P.ITEMS, P.EMBED)),
+            name="item_embedding",
+        )
+        self.bottom = _Mlp(tuple(self.mlp_dims), name="bottom")
+        self.towers = _StackedTowers(self.num_tasks, tuple(self.tower_dims), name="towers")
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def embed(self, user: jax.Array, item: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`[B]` ids -> `([B, embed], [B, embed])`."""
+        return self.user_embedding(user), self.item_embedding(item)
+
+    def __call__(self, user: jax.Array, item: jax.Array, train: bool = False) -> jax.Array:
+        u, i = self.embed(user, item)
+        h = self.bottom(jnp.concatenate([u, i], axis=-1), self.dropout, train)
+        shared = jnp.concatenate([h, u * i], axis=-1)  # [B, mlp_dims[-1] + embed]
+        return self.towers(shared, self.dropout, train)  # [B, T]
+
+
+class _Mlp(nn.Module):
+    """ReLU MLP `[B, in] -> [B, dims[-1]]`, dropout after every layer when training."""
+
+    dims: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x, dropout: nn.Dropout, train: bool):
+        for k, d in enumerate(self.dims):
+            x = nn.Dense(
+                d,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.lecun_normal(), (P.EMBED, P.MLP)
+                ),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (P.MLP,)),
+                name=f"layer_{k}",
+            )(x)
+            x = dropout(nn.relu(x), deterministic=not train)
+        return x
+
+
+class _StackedTowers(nn.Module):
+    """One MLP + logit per task, stacked on a leading `tasks` axis: `[B, in] -> [B, T]`."""
+
+    num_tasks: int
+    dims: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x, dropout: nn.Dropout, train: bool):
+        T = self.num_tasks
+        kinit = nn.initializers.lecun_normal(batch_axis=(0,))
+        h = None
+        for k, d in enumerate(self.dims):
+            d_in = x.shape[-1] if h is None else h.shape[-1]
+            w = self.param(
+                f"layer_{k}_kernel",
+                nn.with_logical_partitioning(kinit, (P.TASKS, P.EMBED, P.MLP)),
+                (T, d_in, d),
+            )
+            b = self.param(
+                f"layer_{k}_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, (P.TASKS, P.MLP)),
+                (T, d),
+            )
+            if h is None:  # the input is shared by all towers: one [B, in] x [in, T*d] matmul
+                h = jnp.einsum("bi,tid->btd", x, w) + b
+            else:
+                h = jnp.einsum("bti,tid->btd", h, w) + b
+            h = dropout(nn.relu(h), deterministic=not train)
+        w = self.param(
+            "out_kernel",
+            nn.with_logical_partitioning(kinit, (P.TASKS, P.MLP)),
+            (T, h.shape[-1]),
+        )
+        b = self.param("out_bias", nn.with_logical_partitioning(nn.initializers.zeros, (P.TASKS,)), (T,))
+        return jnp.einsum("btd,td->bt", h, w) + b
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity: a static jit argument
+class RecsysModel(BaseModel):
+    """`BaseModel` wrapper of `SharedBottomNet`: per-task BCE, aux loss/accuracy/weight.
+
+    Args:
+      num_users, num_items: table sizes (ids must lie in `[0, size)`).
+      num_tasks: behaviours, the target first (task 0 is ranked by `ktx.metrics.ranking`).
+      embed_dim, mlp_dims, tower_dims, dropout_rate: the network (paper: 64, (32, 16, 8),
+        (64, 32), 0.5).
+      target_task: the task whose tower full ranking scores.
+    """
+
+    num_users: int
+    num_items: int
+    num_tasks: int
+    embed_dim: int = 64
+    mlp_dims: Sequence[int] = (32, 16, 8)
+    tower_dims: Sequence[int] = (64, 32)
+    dropout_rate: float = 0.5
+    target_task: int = 0
+    loss_normalization: str = "per_task"
+
+    def __post_init__(self):
+        for name in ("num_users", "num_items", "num_tasks", "embed_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"RecsysModel.{name}={v!r}: expected a positive int")
+        self.mlp_dims = _check_dims("RecsysModel.mlp_dims", self.mlp_dims)
+        self.tower_dims = _check_dims("RecsysModel.tower_dims", self.tower_dims)
+        if not 0.0 <= float(self.dropout_rate) < 1.0:
+            raise ValueError(f"RecsysModel.dropout_rate={self.dropout_rate!r}: expected [0, 1)")
+        if not 0 <= self.target_task < self.num_tasks:
+            raise ValueError(
+                f"RecsysModel.target_task={self.target_task!r}: expected 0..{self.num_tasks - 1}"
+            )
+        if self.loss_normalization not in ("global", "per_task"):
+            raise ValueError(
+                f"RecsysModel.loss_normalization={self.loss_normalization!r}; "
+                "accepted: ('global', 'per_task')"
+            )
+        self.module = SharedBottomNet(
+            num_users=self.num_users,
+            num_items=self.num_items,
+            num_tasks=self.num_tasks,
+            embed_dim=self.embed_dim,
+            mlp_dims=self.mlp_dims,
+            tower_dims=self.tower_dims,
+            dropout_rate=float(self.dropout_rate),
+        )
+
+    shared_param_patterns = SHARED_PARAM_PATTERNS
+
+    # --- BaseModel -----------------------------------------------------------------
+    def init_variables(self, rng: jax.Array, batch: Batch) -> Any:
+        return self.module.init(
+            {"params": rng}, jnp.asarray(batch["user"]), jnp.asarray(batch["item"]), False
+        )
+
+    def input_spec(
+        self, batch_size: int, feature_lengths: Mapping[str, int] | None = None
+    ) -> dict[str, jax.ShapeDtypeStruct]:
+        del feature_lengths  # every feature is one value per row
+        return {
+            "user": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+            "item": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+            "label": jax.ShapeDtypeStruct((batch_size,), jnp.float32),
+            "task_id": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        }
+
+    def task_weights(self, batch: Batch) -> jax.Array:
+        task_id = jnp.asarray(batch["task_id"])
+        return segment_sum_by_task(jnp.ones(task_id.shape, jnp.float32), task_id, self.num_tasks)
+
+    def logits(self, params: Any, batch: Batch, rng: jax.Array | None, train: bool) -> jax.Array:
+        """`[B]` logit of each row's own task."""
+        rngs = {"dropout": rng} if (train and rng is not None and self.dropout_rate > 0) else None
+        if train and rngs is None and self.dropout_rate > 0:
+            raise ValueError("RecsysModel.logits: train=True with dropout needs an rng")
+        all_logits = self.module.apply(
+            {"params": params}, batch["user"], batch["item"], train, rngs=rngs
+        )  # [B, T]
+        task_id = jnp.asarray(batch["task_id"])
+        return jnp.take_along_axis(all_logits, task_id[:, None], axis=1)[:, 0]
+
+    def loss_sums(
+        self, params: Any, batch: Batch, rng: jax.Array | None, train: bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        logits = self.logits(params, batch, rng, train)
+        label = jnp.asarray(batch["label"], jnp.float32)
+        task_id = jnp.asarray(batch["task_id"])
+        bce = optax.sigmoid_binary_cross_entropy(logits, label)
+        correct = ((logits > 0).astype(jnp.float32) == label).astype(jnp.float32)
+        sums = segment_sum_by_task(bce, task_id, self.num_tasks)
+        aux = {
+            "loss": sums,
+            "accuracy": segment_sum_by_task(correct, task_id, self.num_tasks),
+            "weight": self.task_weights(batch),
+        }
+        return sums, aux
+
+    # --- scorer protocol of ktx.metrics.ranking ----------------------------------------
+    def rank_user_part(self, params: Any, users: jax.Array) -> dict[str, jax.Array]:
+        """Per-user factors for full ranking: `users [U]` -> dict of `[U, ...]` arrays."""
+        u = params["user_embedding"]["embedding"][users]
+        d = self.embed_dim
+        w0 = params["bottom"]["layer_0"]["kernel"]  # [2d, m0]
+        t = self.target_task
+        tw = params["towers"]["layer_0_kernel"][t]  # [m_last + d, h0]
+        m_last = self.mlp_dims[-1]
+        return {
+            "bottom0": u @ w0[:d] + params["bottom"]["layer_0"]["bias"],  # [U, m0]
+            # (u * i) @ W_mf = i @ (u[:, None] * W_mf): one [d, h0] matrix per user.
+            "mf": u[:, :, None] * tw[m_last:][None],  # [U, d, h0]
+        }
+
+    def rank_item_part(self, params: Any) -> dict[str, jax.Array]:
+        """Per-item factors for full ranking, computed once: dict of `[N, ...]` arrays."""
+        i = params["item_embedding"]["embedding"]
+        w0 = params["bottom"]["layer_0"]["kernel"]
+        return {"emb": i, "bottom0": i @ w0[self.embed_dim:]}  # [N, d], [N, m0]
+
+    def rank_scores(
+        self, params: Any, user_part: Mapping[str, jax.Array], item_part: Mapping[str, jax.Array]
+    ) -> jax.Array:
+        """Target-task logits `[U, N]` of every (user, item) pair from the two parts."""
+        h = nn.relu(user_part["bottom0"][:, None, :] + item_part["bottom0"][None])  # [U, N, m0]
+        for k in range(1, len(self.mlp_dims)):
+            layer = params["bottom"][f"layer_{k}"]
+            h = nn.relu(h @ layer["kernel"] + layer["bias"])
+        t = self.target_task
+        towers = params["towers"]
+        m_last = self.mlp_dims[-1]
+        g = h @ towers["layer_0_kernel"][t][:m_last] + towers["layer_0_bias"][t]
+        g = g + jnp.einsum("nd,udh->unh", item_part["emb"], user_part["mf"])
+        g = nn.relu(g)
+        for k in range(1, len(self.tower_dims)):
+            g = nn.relu(g @ towers[f"layer_{k}_kernel"][t] + towers[f"layer_{k}_bias"][t])
+        return g @ towers["out_kernel"][t] + towers["out_bias"][t]
+
+    def rank_flops_per_pair(self) -> int:
+        """Multiply-adds x2 that `rank_scores` spends per (user, item) pair."""
+        m = (self.mlp_dims[0],) + tuple(self.mlp_dims[1:])
+        flops = m[0] * 2  # add + relu of the split first layer
+        flops += sum(2 * a * b for a, b in zip(m[:-1], m[1:]))
+        h = self.tower_dims
+        flops += 2 * (self.mlp_dims[-1] + self.embed_dim) * h[0]
+        flops += sum(2 * a * b for a, b in zip(h[:-1], h[1:]))
+        flops += 2 * h[-1]
+        return flops

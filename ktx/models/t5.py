@@ -1,0 +1,891 @@
+"""T5.1.1 encoder-decoder Transformer in flax.linen (Raffel et al., 2020, "Exploring the
+Limits of Transfer Learning with a Unified Text-to-Text Transformer", T5.1.1 variant).
+
+T5.1.1 = pre-norm RMS layer norm without bias or mean subtraction, gated-GELU feed-forward
+(Shazeer, 2020, "GLU Variants Improve Transformer"), bucketed relative position biases
+shared by all layers of a stack (bidirectional in the encoder, causal in the decoder), no
+biases anywhere, input embedding shared by encoder and decoder, untied output logits,
+dropout. Parameter names follow T5X's `network.py`, so T5X checkpoints map one-to-one.
+
+Every parameter carries logical axis names (`ktx.partitioning`) through
+`nn.with_logical_partitioning`; activations are constrained with
+`nn.with_logical_constraint` (a no-op outside a mesh / axis-rules context).
+
+Shapes: `B` batch, `Le`/`Ld` encoder/decoder length, `E` embed, `H` heads, `D` head dim,
+`V` vocabulary, `P` prefix (or prompt) length.
+
+Packing: a packed row holds several examples one after another. Attention is masked to
+equal `*_segment_ids`; relative positions are computed from in-row offsets, which equal
+the per-segment offsets for every pair of tokens of one (contiguous) segment, and pairs
+across segments are masked, so `*_positions` do not change the result. They are accepted
+for interface compatibility and validated for shape only.
+
+Extension points (task conditioning; when unused, the model is exactly plain T5.1.1):
+
+* `Transformer.__call__/encode/decode` take `task_id` `[B]` and hand it to every layer
+  (plain T5 ignores it).
+* `Transformer.encoder_cls / decoder_cls / encoder_layer_cls / decoder_layer_cls` are
+  module fields: subclass `Encoder`, `Decoder`, `EncoderLayer` or `DecoderLayer` and pass
+  the subclass. `Encoder.make_layer(index)` / `Decoder.make_layer(index)` build layer
+  `index` (override to hand shared modules to the layers).
+* Hook methods on the layers, called inside their compact `__call__` (so they may create
+  sub-modules and parameters):
+    - `layer_norm(x, task_id, *, name)`: the pre-sub-block RMS norm; `RMSNorm.__call__`
+      accepts a per-example `scale` `[B, E]` that replaces the learned one (task-conditional
+      layer norm).
+    - `attention_prefix(x, task_id, *, name) -> None | (key, value)`: per-example prefix
+      keys/values `[B, P, H, D]` prepended to the self-attention keys/values; every query
+      (causal ones included) attends all `P` prefix positions, which get no relative
+      position bias. Works with the decode cache (prefixes are not cached).
+    - `adapt(y, task_id, *, name, deterministic)`: transforms the output of the sub-block
+      `name` (`"attention"`, `"cross_attention"`, `"mlp"`) before dropout and the residual
+      sum (adapters).
+* `Encoder.input_prompt(x, task_id) -> None | [B, P, E]`: embeddings prepended to the
+  encoder input (prompt tuning); the encoded sequence is then `[B, P + Le, E]`, prompt
+  positions are visible to every query (self and cross attention, any segment).
+* Attention probabilities `[B, H, Lq, P + Lk]` are sown as
+  `intermediates/.../attention_weights` when the `intermediates` collection is mutable.
+
+Decoding uses a key/value cache (collection `"cache"`): call `decode(..., decode=True)`
+once with full-length `[B, Ld]` decoder inputs and `mutable=["cache"]` to create it (or
+`jax.eval_shape` that call), then once per step with `[B, 1]` inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, RELPOS_BUCKETS, VOCAB
+
+__all__ = [
+    "ACTIVATION_DTYPES",
+    "T5Config",
+    "DenseGeneral",
+    "Embed",
+    "RMSNorm",
+    "MlpBlock",
+    "MultiHeadAttention",
+    "RelativePositionBiases",
+    "relative_position_bucket",
+    "EncoderLayer",
+    "DecoderLayer",
+    "Encoder",
+    "Decoder",
+    "Transformer",
+]
+
+ACTIVATION_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_ACTIVATIONS = {
+    "gelu": nn.gelu,  # tanh approximation, as T5X and mesh-tensorflow
+    "relu": nn.relu,
+    "silu": nn.silu,
+    "linear": lambda x: x,
+}
+_NEG_INF = -1e10
+
+Array = jax.Array
+Dtype = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """Shapes and options of a T5.1.1 Transformer (defaults: T5.1.1 small).
+
+    `dropout_rate` defaults to 0.1, the value T5X's T5.1.1 gin files use for
+    pre-training; set 0.0 for evaluation-equivalent fine-tuning runs if wanted.
+    `dtype` is the activation dtype ("float32" or "bfloat16"); parameters are float32.
+    """
+
+    vocab_size: int = 32128
+    emb_dim: int = 512
+    num_heads: int = 6
+    num_encoder_layers: int = 8
+    num_decoder_layers: int = 8
+    head_dim: int = 64
+    mlp_dim: int = 1024
+    mlp_activations: tuple[str, ...] = ("gelu", "linear")
+    dropout_rate: float = 0.1
+    dtype: str = "float32"
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    logits_via_embedding: bool = False
+    float32_attention_logits: bool = True
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "emb_dim",
+            "num_heads",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "head_dim",
+            "mlp_dim",
+            "relative_attention_num_buckets",
+            "relative_attention_max_distance",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"T5Config.{name}={value!r}: must be a positive integer")
+        if self.relative_attention_num_buckets < 4:
+            raise ValueError(
+                f"T5Config.relative_attention_num_buckets={self.relative_attention_num_buckets}"
+                ": must be >= 4 (half exact, half logarithmic, per direction)"
+            )
+        acts = self.mlp_activations
+        if isinstance(acts, str) or not isinstance(acts, Sequence) or not acts:
+            raise ValueError(
+                f"T5Config.mlp_activations={acts!r}: must be a non-empty sequence of names "
+                f"from {sorted(_ACTIVATIONS)}"
+            )
+        for a in acts:
+            if a not in _ACTIVATIONS:
+                raise ValueError(
+                    f"T5Config.mlp_activations: {a!r} unknown; accepted: {sorted(_ACTIVATIONS)}"
+                )
+        object.__setattr__(self, "mlp_activations", tuple(acts))
+        if not isinstance(self.dropout_rate, (int, float)) or not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"T5Config.dropout_rate={self.dropout_rate!r}: must be in [0, 1)")
+        if self.dtype not in ACTIVATION_DTYPES:
+            raise ValueError(
+                f"T5Config.dtype={self.dtype!r}; accepted: {sorted(ACTIVATION_DTYPES)}"
+            )
+
+    @property
+    def activation_dtype(self) -> Dtype:
+        return ACTIVATION_DTYPES[self.dtype]
+
+
+# ------------------------------------------------------------------------------------
+# Leaf layers (explicit fields, no config object).
+# ------------------------------------------------------------------------------------
+
+default_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+def _flat_init(init: Callable, n_in: int, n_out: int) -> Callable:
+    """Initialises a multi-axis kernel as the `[n_in, n_out]` matrix it contracts as."""
+
+    def f(key, shape, dtype=jnp.float32):
+        return init(key, (n_in, n_out), dtype).reshape(shape)
+
+    return f
+
+
+class DenseGeneral(nn.Module):
+    """Bias-free dense layer contracting `axis` of the input with a multi-axis kernel.
+
+    Input `[..., *in_shape]` (the `axis` dims, which must be trailing) -> `[..., *features]`;
+    kernel `[*in_shape, *features]` annotated with `kernel_axes`.
+    """
+
+    features: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    axis: tuple[int, ...] = (-1,)
+    dtype: Dtype = jnp.float32
+    kernel_init: Callable = default_kernel_init
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        axis = tuple(sorted(a % x.ndim for a in self.axis))
+        if axis != tuple(range(x.ndim - len(axis), x.ndim)):
+            raise ValueError(f"DenseGeneral.axis={self.axis}: must be the trailing axes")
+        in_shape = tuple(x.shape[a] for a in axis)
+        kernel_shape = in_shape + tuple(self.features)
+        if len(self.kernel_axes) != len(kernel_shape):
+            raise ValueError(
+                f"DenseGeneral.kernel_axes={self.kernel_axes} has {len(self.kernel_axes)} "
+                f"names for a kernel of shape {kernel_shape}"
+            )
+        init = _flat_init(self.kernel_init, math.prod(in_shape), math.prod(self.features))
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(init, self.kernel_axes),
+            kernel_shape,
+            jnp.float32,
+        )
+        x = jnp.asarray(x, self.dtype)
+        kernel = jnp.asarray(kernel, self.dtype)
+        contract = (axis, tuple(range(len(axis))))
+        return lax.dot_general(x, kernel, (contract, ((), ())))
+
+
+class Embed(nn.Module):
+    """Token embedding table `[V, E]` (axes `vocab`, `embed`); init N(0, 1) as T5X."""
+
+    num_embeddings: int
+    features: int
+    dtype: Dtype = jnp.float32
+    embedding_init: Callable = nn.initializers.normal(stddev=1.0)
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(self.embedding_init, (VOCAB, EMBED)),
+            (self.num_embeddings, self.features),
+            jnp.float32,
+        )
+
+    def __call__(self, ids: Array) -> Array:
+        """`ids` int `[B, L]` -> `[B, L, E]` in `dtype`."""
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"Embed: token ids must be integers, got dtype {ids.dtype}")
+        out = jnp.take(jnp.asarray(self.embedding, self.dtype), ids, axis=0)
+        return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
+
+    def attend(self, query: Array) -> Array:
+        """`[..., E]` -> `[..., V]`: dot products with every embedding (tied logits)."""
+        return jnp.dot(jnp.asarray(query, self.dtype), jnp.asarray(self.embedding, self.dtype).T)
+
+
+class RMSNorm(nn.Module):
+    """T5 layer norm: `x / sqrt(mean(x^2) + eps) * scale`, no mean, no bias.
+
+    Computed in float32, then cast to `dtype` before scaling (as T5X).
+    """
+
+    epsilon: float = 1e-6
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, scale: Array | None = None) -> Array:
+        """`x` `[B, L, E]`; `scale` `None` (learned `[E]` parameter `scale`, axis `embed`)
+        or a per-example `[B, E]` (or `[E]`) scale that replaces the learned one."""
+        features = x.shape[-1]
+        x32 = jnp.asarray(x, jnp.float32)
+        var = jnp.mean(lax.square(x32), axis=-1, keepdims=True)
+        y = jnp.asarray(x32 * lax.rsqrt(var + self.epsilon), self.dtype)
+        if scale is None:
+            scale = self.param(
+                "scale", nn.with_logical_partitioning(nn.initializers.ones, (EMBED,)),
+                (features,), jnp.float32,
+            )
+        else:
+            if scale.shape[-1] != features or scale.ndim not in (1, 2) or (
+                scale.ndim == 2 and scale.shape[0] != x.shape[0]
+            ):
+                raise ValueError(
+                    f"RMSNorm: scale shape {scale.shape} does not fit inputs {x.shape}; "
+                    f"accepted: [{features}] or [{x.shape[0]}, {features}]"
+                )
+            if scale.ndim == 2:
+                scale = scale.reshape((scale.shape[0],) + (1,) * (x.ndim - 2) + (features,))
+        return y * jnp.asarray(scale, self.dtype)
+
+
+class MlpBlock(nn.Module):
+    """Gated feed-forward: `wo(dropout(prod_i act_i(wi_i x)))`, no biases.
+
+    With activations ("gelu", "linear") this is T5.1.1's gated-GELU. `[B, L, E] -> [B, L, E]`.
+    """
+
+    intermediate_dim: int
+    activations: tuple[str, ...] = ("gelu", "linear")
+    dropout_rate: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, deterministic: bool = True) -> Array:
+        hidden = None
+        for idx, act in enumerate(self.activations):
+            name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
+            h = DenseGeneral((self.intermediate_dim,), (EMBED, MLP), dtype=self.dtype, name=name)(x)
+            h = _ACTIVATIONS[act](h)
+            hidden = h if hidden is None else hidden * h
+        hidden = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(hidden, deterministic)
+        hidden = nn.with_logical_constraint(hidden, (BATCH, LENGTH, MLP))
+        out = DenseGeneral((x.shape[-1],), (MLP, EMBED), dtype=self.dtype, name="wo")(hidden)
+        return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
+
+
+def relative_position_bucket(
+    relative_position: Array,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> Array:
+    """T5's bucket of each `relative_position = key_pos - query_pos` (int array).
+
+    Half the buckets (per direction when `bidirectional`) hold exact distances
+    `0 .. nb/2 - 1`; the rest are logarithmic up to `max_distance`, beyond which every
+    distance shares the last bucket. Causal (`bidirectional=False`): keys after the
+    query all fall in bucket 0. Same formula as mesh-tensorflow / T5X.
+    """
+    n = -jnp.asarray(relative_position, jnp.int32)
+    ret = jnp.zeros_like(n)
+    if bidirectional:
+        num_buckets //= 2
+        ret = ret + (n < 0).astype(jnp.int32) * num_buckets
+        n = jnp.abs(n)
+    else:
+        n = jnp.maximum(n, 0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    val_if_large = max_exact + (
+        jnp.log(n.astype(jnp.float32) / max_exact + np.finfo(np.float32).eps)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).astype(jnp.int32)
+    val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
+    return ret + jnp.where(is_small, n, val_if_large)
+
+
+class RelativePositionBiases(nn.Module):
+    """Learned per-head bias of each relative position bucket; table `[H, buckets]`."""
+
+    num_buckets: int
+    max_distance: int
+    num_heads: int
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, query_positions: Array, key_positions: Array, bidirectional: bool) -> Array:
+        """`query_positions` `[Lq]`, `key_positions` `[Lk]` (int) -> bias `[1, H, Lq, Lk]`."""
+        table = self.param(
+            "rel_embedding",
+            nn.with_logical_partitioning(
+                nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
+                (HEADS, RELPOS_BUCKETS),
+            ),
+            (self.num_heads, self.num_buckets),
+            jnp.float32,
+        )
+        relative = key_positions[None, :] - query_positions[:, None]
+        buckets = relative_position_bucket(
+            relative, bidirectional, self.num_buckets, self.max_distance
+        )
+        values = jnp.take(jnp.asarray(table, self.dtype), buckets, axis=1)  # [H, Lq, Lk]
+        return values[None]
+
+
+class MultiHeadAttention(nn.Module):
+    """Bias-free multi-head dot-product attention without logit scaling (T5): the
+    `1/sqrt(D)` factor is folded into the query initialisation, as T5X does.
+
+    Kernels: query/key/value `[E, H, D]` (`embed`, `heads`, `kv`), out `[H, D, E]`.
+    """
+
+    num_heads: int
+    head_dim: int
+    dtype: Dtype = jnp.float32
+    dropout_rate: float = 0.0
+    float32_logits: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        *,
+        prefix_key: Array | None = None,
+        prefix_value: Array | None = None,
+        decode: bool = False,
+        deterministic: bool = True,
+    ) -> Array:
+        """`inputs_q` `[B, Lq, E]`, `inputs_kv` `[B, Lk, E]` -> `[B, Lq, E]`.
+
+        `mask` (1 = attend) and `bias` broadcast to `[B, H, Lq, Lk]` (with `decode`,
+        `Lk` is the cache length). `prefix_key`/`prefix_value` `[B, P, H, D]` are
+        prepended to keys/values, visible to every query, with zero bias. With `decode`
+        the keys/values of one new position are written to the cache (collection
+        `cache`, variables `cached_key`, `cached_value` `[B, Ld, H, D]`, `cache_index`).
+        """
+        depth_scaling = math.sqrt(self.head_dim)
+
+        def query_init(*args):
+            return default_kernel_init(*args) / depth_scaling
+
+        projection = functools.partial(
+            DenseGeneral, features=(self.num_heads, self.head_dim),
+            kernel_axes=(EMBED, HEADS, KV), dtype=self.dtype,
+        )
+        query = projection(kernel_init=query_init, name="query")(inputs_q)
+        key = projection(name="key")(inputs_kv)
+        value = projection(name="value")(inputs_kv)
+        query = nn.with_logical_constraint(query, (BATCH, LENGTH, HEADS, KV))
+        key = nn.with_logical_constraint(key, (BATCH, LENGTH, HEADS, KV))
+        value = nn.with_logical_constraint(value, (BATCH, LENGTH, HEADS, KV))
+
+        if decode:
+            initialized = self.has_variable("cache", "cached_key")
+            cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+            cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+            cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+            if initialized:
+                if query.shape[1] != 1:
+                    raise ValueError(
+                        f"MultiHeadAttention: a decode step takes one position, got inputs "
+                        f"of length {query.shape[1]}"
+                    )
+                idx = cache_index.value
+                key = lax.dynamic_update_slice(cached_key.value, key, (0, idx, 0, 0))
+                value = lax.dynamic_update_slice(cached_value.value, value, (0, idx, 0, 0))
+                cached_key.value = key
+                cached_value.value = value
+                cache_index.value = idx + 1
+
+        if (prefix_key is None) != (prefix_value is None):
+            raise ValueError("MultiHeadAttention: give both prefix_key and prefix_value or neither")
+        if prefix_key is not None:
+            want = (key.shape[0], prefix_key.shape[1], self.num_heads, self.head_dim)
+            if prefix_key.shape != want or prefix_value.shape != want:
+                raise ValueError(
+                    f"MultiHeadAttention: prefix_key {prefix_key.shape} / prefix_value "
+                    f"{prefix_value.shape}; accepted: [B, P, H, D] = {want}"
+                )
+            num_prefix = prefix_key.shape[1]
+            key = jnp.concatenate([jnp.asarray(prefix_key, key.dtype), key], axis=1)
+            value = jnp.concatenate([jnp.asarray(prefix_value, value.dtype), value], axis=1)
+            if mask is not None:
+                ones = jnp.ones(mask.shape[:-1] + (num_prefix,), mask.dtype)
+                mask = jnp.concatenate([ones, mask], axis=-1)
+            if bias is not None:
+                zeros = jnp.zeros(bias.shape[:-1] + (num_prefix,), bias.dtype)
+                bias = jnp.concatenate([zeros, bias], axis=-1)
+
+        if self.float32_logits:
+            query = jnp.asarray(query, jnp.float32)
+            key = jnp.asarray(key, jnp.float32)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+        if mask is not None:
+            logits = logits + jnp.where(mask > 0, 0.0, _NEG_INF).astype(logits.dtype)
+        if bias is not None:
+            logits = logits + jnp.asarray(bias, logits.dtype)
+        probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
+        self.sow("intermediates", "attention_weights", probs)
+        probs = nn.Dropout(self.dropout_rate)(probs, deterministic)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, jnp.asarray(value, self.dtype))
+        out = DenseGeneral(
+            features=(inputs_q.shape[-1],), axis=(-2, -1), kernel_axes=(HEADS, KV, EMBED),
+            dtype=self.dtype, name="out",
+        )(out)
+        return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
+
+
+# ------------------------------------------------------------------------------------
+# Masks.
+# ------------------------------------------------------------------------------------
+
+
+def _attention_mask(
+    query_valid: Array,
+    key_valid: Array,
+    query_segments: Array | None = None,
+    key_segments: Array | None = None,
+    key_always_visible: Array | None = None,
+    causal: bool = False,
+) -> Array:
+    """`[B, 1, Lq, Lk]` float mask (1 = attend) from `[B, L]` validity/segment arrays.
+
+    `key_always_visible` `[B, Lk]` marks keys any valid query may see (prompts).
+    """
+    mask = query_valid[:, :, None] & key_valid[:, None, :]
+    if query_segments is not None:
+        same = query_segments[:, :, None] == key_segments[:, None, :]
+        if key_always_visible is not None:
+            same = same | key_always_visible[:, None, :]
+        mask = mask & same
+    if causal:
+        lq, lk = query_valid.shape[1], key_valid.shape[1]
+        mask = mask & (jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None])[None]
+    return mask[:, None].astype(jnp.float32)
+
+
+def _check_feature(name: str, value: Array | None, shape: tuple[int, ...]) -> None:
+    if value is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(value.shape)}; expected {tuple(shape)}")
+
+
+# ------------------------------------------------------------------------------------
+# Layers and stacks (take the structural T5Config; see module docstring for hooks).
+# ------------------------------------------------------------------------------------
+
+
+class _LayerHooks:
+    """Default (plain T5) hooks shared by encoder and decoder layers."""
+
+    config: T5Config
+
+    def layer_norm(self, x: Array, task_id: Array, *, name: str) -> Array:
+        """Pre-sub-block norm `[B, L, E] -> [B, L, E]` (override: conditional norm)."""
+        return RMSNorm(dtype=self.config.activation_dtype, name=name)(x)
+
+    def attention_prefix(
+        self, x: Array, task_id: Array, *, name: str
+    ) -> tuple[Array, Array] | None:
+        """Prefix keys/values `[B, P, H, D]` for self-attention `name`, or None."""
+        return None
+
+    def adapt(self, y: Array, task_id: Array, *, name: str, deterministic: bool) -> Array:
+        """Transforms the output `[B, L, E]` of sub-block `name` (override: adapters)."""
+        return y
+
+    def _attention(self, name: str) -> MultiHeadAttention:
+        cfg = self.config
+        return MultiHeadAttention(
+            num_heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=cfg.activation_dtype,
+            dropout_rate=cfg.dropout_rate, float32_logits=cfg.float32_attention_logits,
+            name=name,
+        )
+
+    def _mlp(self, x: Array, task_id: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        h = self.layer_norm(x, task_id, name="pre_mlp_layer_norm")
+        h = MlpBlock(
+            intermediate_dim=cfg.mlp_dim, activations=cfg.mlp_activations,
+            dropout_rate=cfg.dropout_rate, dtype=cfg.activation_dtype, name="mlp",
+        )(h, deterministic)
+        h = self.adapt(h, task_id, name="mlp", deterministic=deterministic)
+        h = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic)
+        return nn.with_logical_constraint(x + h, (BATCH, LENGTH, EMBED))
+
+
+class EncoderLayer(_LayerHooks, nn.Module):
+    """Pre-norm self-attention + gated MLP block. `[B, Le, E] -> [B, Le, E]`."""
+
+    config: T5Config
+    layer_index: int = 0
+
+    @nn.compact
+    def __call__(
+        self, x: Array, mask: Array, bias: Array, task_id: Array, *, deterministic: bool
+    ) -> Array:
+        cfg = self.config
+        h = self.layer_norm(x, task_id, name="pre_attention_layer_norm")
+        prefix = self.attention_prefix(h, task_id, name="attention")
+        pk, pv = prefix if prefix is not None else (None, None)
+        h = self._attention("attention")(
+            h, h, mask, bias, prefix_key=pk, prefix_value=pv, deterministic=deterministic
+        )
+        h = self.adapt(h, task_id, name="attention", deterministic=deterministic)
+        h = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic)
+        x = nn.with_logical_constraint(x + h, (BATCH, LENGTH, EMBED))
+        return self._mlp(x, task_id, deterministic)
+
+
+class DecoderLayer(_LayerHooks, nn.Module):
+    """Pre-norm causal self-attention, cross-attention, gated MLP. `[B, Ld, E]` out."""
+
+    config: T5Config
+    layer_index: int = 0
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        encoded: Array,
+        self_mask: Array,
+        self_bias: Array,
+        cross_mask: Array,
+        task_id: Array,
+        *,
+        deterministic: bool,
+        decode: bool = False,
+    ) -> Array:
+        cfg = self.config
+        drop = functools.partial(
+            nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,)), deterministic=deterministic
+        )
+        h = self.layer_norm(x, task_id, name="pre_self_attention_layer_norm")
+        prefix = self.attention_prefix(h, task_id, name="self_attention")
+        pk, pv = prefix if prefix is not None else (None, None)
+        h = self._attention("self_attention")(
+            h, h, self_mask, self_bias, prefix_key=pk, prefix_value=pv, decode=decode,
+            deterministic=deterministic,
+        )
+        h = self.adapt(h, task_id, name="attention", deterministic=deterministic)
+        x = nn.with_logical_constraint(x + drop(h), (BATCH, LENGTH, EMBED))
+        h = self.layer_norm(x, task_id, name="pre_cross_attention_layer_norm")
+        h = self._attention("encoder_decoder_attention")(
+            h, encoded, cross_mask, None, deterministic=deterministic
+        )
+        h = self.adapt(h, task_id, name="cross_attention", deterministic=deterministic)
+        x = nn.with_logical_constraint(x + drop(h), (BATCH, LENGTH, EMBED))
+        return self._mlp(x, task_id, deterministic)
+
+
+class Encoder(nn.Module):
+    """Token ids `[B, Le]` -> encoded `[B, P + Le, E]` (P = 0 without an input prompt)."""
+
+    config: T5Config
+    shared_embedding: nn.Module
+    layer_cls: type = EncoderLayer
+
+    def make_layer(self, index: int) -> nn.Module:
+        return self.layer_cls(config=self.config, layer_index=index, name=f"layers_{index}")
+
+    def input_prompt(self, x: Array, task_id: Array) -> Array | None:
+        """Embeddings `[B, P, E]` to prepend to the input embeddings `x`, or None."""
+        return None
+
+    @nn.compact
+    def __call__(
+        self,
+        encoder_input_tokens: Array,
+        task_id: Array,
+        encoder_segment_ids: Array | None = None,
+        *,
+        deterministic: bool,
+    ) -> Array:
+        cfg = self.config
+        dtype = cfg.activation_dtype
+        valid = encoder_input_tokens > 0
+        x = self.shared_embedding(encoder_input_tokens).astype(dtype)
+        prompt = self.input_prompt(x, task_id)
+        segments = encoder_segment_ids
+        visible = None
+        if prompt is not None:
+            b, p = prompt.shape[0], prompt.shape[1]
+            if prompt.ndim != 3 or b != x.shape[0] or prompt.shape[2] != x.shape[2]:
+                raise ValueError(
+                    f"Encoder.input_prompt returned shape {prompt.shape}; accepted: "
+                    f"[{x.shape[0]}, P, {x.shape[2]}]"
+                )
+            x = jnp.concatenate([jnp.asarray(prompt, dtype), x], axis=1)
+            valid = jnp.concatenate([jnp.ones((b, p), bool), valid], axis=1)
+            visible = jnp.concatenate([jnp.ones((b, p), bool), jnp.zeros_like(valid[:, p:])], 1)
+            if segments is not None:
+                segments = jnp.concatenate([jnp.zeros((b, p), segments.dtype), segments], 1)
+        mask = _attention_mask(valid, valid, segments, segments, visible)
+        if visible is not None:  # prompt queries see every valid key
+            mask = jnp.maximum(mask, (visible[:, None, :, None] & valid[:, None, None, :]))
+        length = x.shape[1]
+        positions = jnp.arange(length)
+        bias = RelativePositionBiases(
+            cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance,
+            cfg.num_heads, dtype=dtype, name="relpos_bias",
+        )(positions, positions, bidirectional=True)
+        x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
+        x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+        for i in range(cfg.num_encoder_layers):
+            x = self.make_layer(i)(x, mask, bias, task_id, deterministic=deterministic)
+        x = RMSNorm(dtype=dtype, name="encoder_norm")(x)
+        x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
+        return nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+
+
+class Decoder(nn.Module):
+    """Decoder input ids `[B, Ld]` and encoded `[B, Lk, E]` -> logits `[B, Ld, V]`."""
+
+    config: T5Config
+    shared_embedding: nn.Module
+    layer_cls: type = DecoderLayer
+
+    def make_layer(self, index: int) -> nn.Module:
+        return self.layer_cls(config=self.config, layer_index=index, name=f"layers_{index}")
+
+    @nn.compact
+    def __call__(
+        self,
+        encoded: Array,
+        decoder_input_tokens: Array,
+        cross_mask: Array,
+        task_id: Array,
+        decoder_target_tokens: Array | None = None,
+        decoder_segment_ids: Array | None = None,
+        *,
+        deterministic: bool,
+        decode: bool = False,
+        max_decode_length: int | None = None,
+    ) -> Array:
+        cfg = self.config
+        dtype = cfg.activation_dtype
+        batch, length = decoder_input_tokens.shape
+        if decode and self.has_variable("cache", "position"):
+            # One decode step: the query is at the cached position.
+            if length != 1:
+                raise ValueError(f"Decoder: a decode step takes [B, 1] inputs, got {(batch, length)}")
+            if max_decode_length is None:
+                raise ValueError("Decoder: max_decode_length is required for a decode step")
+            position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            pos = position.value
+            query_positions = pos[None]
+            key_positions = jnp.arange(max_decode_length)
+            self_mask = (key_positions <= pos)[None, None, None, :].astype(jnp.float32)
+            position.value = pos + 1
+        else:
+            if decode:  # cache-creating pass
+                self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            query_positions = key_positions = jnp.arange(length)
+            if decoder_target_tokens is not None:
+                valid = decoder_target_tokens > 0
+            else:
+                valid = jnp.ones((batch, length), bool)
+            self_mask = _attention_mask(
+                valid, valid, decoder_segment_ids, decoder_segment_ids, causal=True
+            )
+        bias = RelativePositionBiases(
+            cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance,
+            cfg.num_heads, dtype=dtype, name="relpos_bias",
+        )(query_positions, key_positions, bidirectional=False)
+
+        x = self.shared_embedding(decoder_input_tokens).astype(dtype)
+        x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
+        x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+        for i in range(cfg.num_decoder_layers):
+            x = self.make_layer(i)(
+                x, encoded, self_mask, bias, cross_mask, task_id,
+                deterministic=deterministic, decode=decode,
+            )
+        x = RMSNorm(dtype=dtype, name="decoder_norm")(x)
+        x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
+        if cfg.logits_via_embedding:
+            logits = self.shared_embedding.attend(x) / jnp.sqrt(x.shape[-1]).astype(dtype)
+        else:
+            logits = DenseGeneral((cfg.vocab_size,), (EMBED, VOCAB), dtype=dtype, name="logits_dense")(x)
+        return nn.with_logical_constraint(logits, (BATCH, LENGTH, VOCAB))
+
+
+class Transformer(nn.Module):
+    """The T5.1.1 encoder-decoder. See the module docstring for shapes and hooks."""
+
+    config: T5Config
+    encoder_cls: type = Encoder
+    decoder_cls: type = Decoder
+    encoder_layer_cls: type = EncoderLayer
+    decoder_layer_cls: type = DecoderLayer
+
+    def setup(self):
+        cfg = self.config
+        if not isinstance(cfg, T5Config):
+            raise TypeError(f"Transformer.config must be a T5Config, got {type(cfg).__name__}")
+        self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype=cfg.activation_dtype)
+        self.encoder = self.encoder_cls(
+            config=cfg, shared_embedding=self.token_embedder, layer_cls=self.encoder_layer_cls
+        )
+        self.decoder = self.decoder_cls(
+            config=cfg, shared_embedding=self.token_embedder, layer_cls=self.decoder_layer_cls
+        )
+
+    @staticmethod
+    def _task_id(task_id: Array | None, batch: int) -> Array:
+        if task_id is None:
+            return jnp.zeros((batch,), jnp.int32)
+        _check_feature("task_id", task_id, (batch,))
+        return jnp.asarray(task_id, jnp.int32)
+
+    def encode(
+        self,
+        encoder_input_tokens: Array,
+        task_id: Array | None = None,
+        encoder_segment_ids: Array | None = None,
+        encoder_positions: Array | None = None,
+        *,
+        enable_dropout: bool = True,
+    ) -> Array:
+        """`[B, Le]` int -> encoded `[B, P + Le, E]`."""
+        if encoder_input_tokens.ndim != 2:
+            raise ValueError(
+                f"encoder_input_tokens has shape {encoder_input_tokens.shape}; expected [B, Le]"
+            )
+        _check_feature("encoder_segment_ids", encoder_segment_ids, encoder_input_tokens.shape)
+        _check_feature("encoder_positions", encoder_positions, encoder_input_tokens.shape)
+        task_id = self._task_id(task_id, encoder_input_tokens.shape[0])
+        return self.encoder(
+            encoder_input_tokens, task_id, encoder_segment_ids, deterministic=not enable_dropout
+        )
+
+    def decode(
+        self,
+        encoded: Array,
+        encoder_input_tokens: Array,
+        decoder_input_tokens: Array,
+        decoder_target_tokens: Array | None = None,
+        task_id: Array | None = None,
+        encoder_segment_ids: Array | None = None,
+        decoder_segment_ids: Array | None = None,
+        decoder_positions: Array | None = None,
+        *,
+        enable_dropout: bool = True,
+        decode: bool = False,
+        max_decode_length: int | None = None,
+    ) -> Array:
+        """Logits `[B, Ld, V]` of the decoder given `encoded` `[B, P + Le, E]`.
+
+        `encoder_input_tokens` `[B, Le]` gives the valid encoder positions (ids > 0);
+        with `decode=True` (cached, one position per call) segment ids are not used.
+        """
+        if decoder_input_tokens.ndim != 2:
+            raise ValueError(
+                f"decoder_input_tokens has shape {decoder_input_tokens.shape}; expected [B, Ld]"
+            )
+        batch, dec_len = decoder_input_tokens.shape
+        _check_feature("decoder_target_tokens", decoder_target_tokens, (batch, dec_len))
+        _check_feature("decoder_segment_ids", decoder_segment_ids, (batch, dec_len))
+        _check_feature("decoder_positions", decoder_positions, (batch, dec_len))
+        if (encoder_segment_ids is None) != (decoder_segment_ids is None):
+            raise ValueError(
+                "packed inputs need both encoder_segment_ids and decoder_segment_ids; got "
+                f"encoder_segment_ids={'set' if encoder_segment_ids is not None else None}, "
+                f"decoder_segment_ids={'set' if decoder_segment_ids is not None else None}"
+            )
+        task_id = self._task_id(task_id, batch)
+        enc_valid = encoder_input_tokens > 0
+        num_prompt = encoded.shape[1] - encoder_input_tokens.shape[1]
+        visible = None
+        if num_prompt < 0:
+            raise ValueError(
+                f"encoded length {encoded.shape[1]} < encoder_input_tokens length "
+                f"{encoder_input_tokens.shape[1]}"
+            )
+        if num_prompt:
+            ones = jnp.ones((batch, num_prompt), bool)
+            visible = jnp.concatenate([ones, jnp.zeros_like(enc_valid)], axis=1)
+            enc_valid = jnp.concatenate([ones, enc_valid], axis=1)
+            if encoder_segment_ids is not None:
+                encoder_segment_ids = jnp.concatenate(
+                    [jnp.zeros((batch, num_prompt), encoder_segment_ids.dtype), encoder_segment_ids], 1
+                )
+        if decode:
+            cross_mask = enc_valid[:, None, None, :].astype(jnp.float32)
+        else:
+            dec_valid = (
+                decoder_target_tokens > 0
+                if decoder_target_tokens is not None
+                else jnp.ones((batch, dec_len), bool)
+            )
+            cross_mask = _attention_mask(
+                dec_valid, enc_valid, decoder_segment_ids, encoder_segment_ids, visible
+            )
+        return self.decoder(
+            encoded, decoder_input_tokens, cross_mask, task_id, decoder_target_tokens,
+            decoder_segment_ids, deterministic=not enable_dropout, decode=decode,
+            max_decode_length=max_decode_length,
+        )
+
+    def __call__(
+        self,
+        encoder_input_tokens: Array,
+        decoder_input_tokens: Array,
+        decoder_target_tokens: Array | None = None,
+        task_id: Array | None = None,
+        encoder_segment_ids: Array | None = None,
+        decoder_segment_ids: Array | None = None,
+        encoder_positions: Array | None = None,
+        decoder_positions: Array | None = None,
+        *,
+        enable_dropout: bool = True,
+        decode: bool = False,
+        max_decode_length: int | None = None,
+    ) -> Array:
+        """Teacher-forced logits `[B, Ld, V]` (float in the activation dtype)."""
+        encoded = self.encode(
+            encoder_input_tokens, task_id, encoder_segment_ids, encoder_positions,
+            enable_dropout=enable_dropout,
+        )
+        return self.decode(
+            encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
+            task_id, encoder_segment_ids, decoder_segment_ids, decoder_positions,
+            enable_dropout=enable_dropout, decode=decode, max_decode_length=max_decode_length,
+        )

@@ -1,0 +1,162 @@
+"""Per-task gradients in one compiled step.
+
+`compute_task_gradients` returns the gradient of every task's loss with respect to the
+parameters, stacked on a leading task axis, from inside a jitted train step:
+
+* `method="blocks"` (task-partitioned batches, interface §3): rows of task `t` are the
+  contiguous block `[sum(counts[:t]), sum(counts[:t+1]))`. Task `t`'s loss is evaluated
+  on its own block only and divided by the *whole* batch's normalizer, so all `T`
+  gradients together cost one backward pass over the batch, and they add up exactly to
+  the gradient of the summed loss. Equal blocks are vmapped; unequal ones are traced one
+  after another (still one compiled program).
+* `method="vjp"` (any batch): one forward pass, then a vmapped vector-Jacobian product
+  over the one-hot task cotangents `e_t / normalizer_t`.
+* `method="auto"`: blocks when `task_counts` is given, vjp otherwise.
+
+Only shared parameters (see `ktx.optim.selection`) keep a task axis; the task
+gradients of the others are summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ktx.optim.selection import shared_mask
+from ktx.optim.task_gradients import TaskGradients
+
+__all__ = ["METHODS", "compute_task_gradients", "split_shared"]
+
+METHODS = ("auto", "blocks", "vjp")
+
+LossSumsFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def split_shared(stacked_grads: Any, params: Any, shared: Sequence[str] | str | None) -> TaskGradients:
+    """Keeps the task axis of shared parameters, sums it away for the others."""
+    mask = shared_mask(params, shared)
+    stacked = jax.tree.map(lambda g, m: g if m else None, stacked_grads, mask)
+    summed = jax.tree.map(lambda g, m: None if m else g.sum(axis=0), stacked_grads, mask)
+    return TaskGradients(stacked=stacked, summed=summed)
+
+
+def _validate_counts(task_counts: Sequence[int], num_tasks: int, batch: Mapping) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(c) for c in task_counts)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"task_counts={task_counts!r}: expected a static sequence of ints (one per task)"
+        ) from e
+    if len(counts) != num_tasks or any(c < 0 for c in counts):
+        raise ValueError(
+            f"task_counts={counts!r}: expected {num_tasks} non-negative counts (num_tasks)"
+        )
+    rows = {k: v.shape[0] for k, v in batch.items()}
+    if len(set(rows.values())) != 1:
+        raise ValueError(f"batch features disagree on the number of rows: {rows}")
+    n = next(iter(rows.values()))
+    if sum(counts) != n:
+        raise ValueError(
+            f"task_counts={counts!r} sum to {sum(counts)} but the batch has {n} rows; with "
+            "method='blocks' the batch must be task-partitioned (interface §3)"
+        )
+    return counts
+
+
+def _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, counts):
+    def task_value_and_grad(t, block):
+        def f(p):
+            sums, aux = loss_sums_fn(p, block)
+            return sums[t] / normalizer[t], (sums, aux)
+
+        (_, (sums, aux)), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return sums, aux, grads
+
+    if len(set(counts)) == 1:
+        c = counts[0]
+        blocks = jax.tree.map(lambda x: x.reshape((num_tasks, c) + x.shape[1:]), dict(batch))
+        sums, aux, grads = jax.vmap(task_value_and_grad)(jnp.arange(num_tasks), blocks)
+        return sums.sum(0), jax.tree.map(lambda a: a.sum(0), aux), grads
+
+    start, per_task = 0, []
+    for t, c in enumerate(counts):
+        if c == 0:
+            per_task.append(None)
+            continue
+        block = jax.tree.map(lambda x, s=start, c=c: x[s : s + c], dict(batch))
+        per_task.append(task_value_and_grad(t, block))
+        start += c
+    present = [r for r in per_task if r is not None]
+    if not present:
+        raise ValueError("task_counts are all zero: the batch has no rows")
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    sums = sum(r[0] for r in present[1:]) + present[0][0]
+    aux = jax.tree.map(lambda *a: sum(a[1:], a[0]), *[r[1] for r in present])
+    grads = jax.tree.map(
+        lambda *g: jnp.stack(g), *[zeros if r is None else r[2] for r in per_task]
+    )
+    return sums, aux, grads
+
+
+def _vjp(loss_sums_fn, normalizer, params, batch, num_tasks):
+    sums, vjp_fn, aux = jax.vjp(lambda p: loss_sums_fn(p, batch), params, has_aux=True)
+    if sums.shape != (num_tasks,):
+        raise ValueError(
+            f"loss_sums_fn returned sums of shape {sums.shape}; expected ({num_tasks},)"
+        )
+    cotangents = jnp.eye(num_tasks, dtype=sums.dtype) / normalizer.astype(sums.dtype)[:, None]
+    grads = jax.vmap(lambda c: vjp_fn(c)[0])(cotangents)
+    return sums, aux, grads
+
+
+def compute_task_gradients(
+    loss_sums_fn: LossSumsFn,
+    normalizer: jax.Array,
+    params: Any,
+    batch: Mapping[str, jax.Array],
+    *,
+    num_tasks: int,
+    task_counts: Sequence[int] | None = None,
+    method: str = "auto",
+    shared: Sequence[str] | str | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], TaskGradients]:
+    """Per-task losses and gradients (call inside `jax.jit`).
+
+    Args:
+      loss_sums_fn: `(params, batch) -> (sums [T], aux)`, the model's `loss_sums` with
+        rng/train closed over.
+      normalizer: `[T]` divisors of the WHOLE batch (`model.normalizer(batch)`).
+      params: the parameter tree.
+      batch: dict of `[B, ...]` arrays with `task_id [B]`.
+      num_tasks: T.
+      task_counts: static per-task row counts of a task-partitioned batch, or None.
+      method: one of `METHODS`.
+      shared: which parameters keep a task axis (see `ktx.optim.selection.shared_mask`).
+
+    Returns:
+      `(task_losses [T], aux, task_grads)`: `task_losses = sums / normalizer`, aux the
+      `[T]` sums of the whole batch, `task_grads` a `TaskGradients`.
+    """
+    if not isinstance(num_tasks, int) or num_tasks < 1:
+        raise ValueError(f"num_tasks={num_tasks!r}: expected a positive int")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; accepted: {METHODS}")
+    if method == "auto":
+        method = "blocks" if task_counts is not None else "vjp"
+    normalizer = jax.lax.stop_gradient(jnp.asarray(normalizer))
+    if normalizer.shape != (num_tasks,):
+        raise ValueError(f"normalizer has shape {normalizer.shape}; expected ({num_tasks},)")
+    if method == "blocks":
+        if task_counts is None:
+            raise ValueError(
+                "method='blocks' needs task_counts (a task-partitioned batch); use "
+                "method='vjp' or 'auto' for sampled batches"
+            )
+        counts = _validate_counts(task_counts, num_tasks, batch)
+        sums, aux, grads = _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, counts)
+    else:
+        sums, aux, grads = _vjp(loss_sums_fn, normalizer, params, batch, num_tasks)
+    return sums / normalizer, aux, split_shared(grads, params, shared)

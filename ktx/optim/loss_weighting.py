@@ -1,0 +1,185 @@
+"""Methods that weight task *losses*: Uncertainty, DWA, GradNorm.
+
+Weighting loss `L_t` by `w_t` multiplies its gradient by `w_t`, so each method here
+applies `update = sum_t w_t G_t` with the weights its paper gives the losses at that
+step; the weights' own learning (Uncertainty, GradNorm) runs inside the transformation
+with its own optax optimizer, and its state lives in the checkpoint.
+
+* `uncertainty()` (Kendall et al., 2018): objective `sum_t 0.5 exp(-s_t) L_t + 0.5 s_t`
+  with learnable `s_t = log sigma_t^2` (the paper's regression form); gradient weights
+  `0.5 exp(-s_t)`; `s` takes one optimizer step on `d/ds = 0.5 - 0.5 exp(-s) L`.
+* `dwa(temperature)` (Liu et al., 2019): `w_t = T softmax_t(r_t / temperature)` with
+  `r_t = L_t(k-1) / L_t(k-2)` the ratio of the last two steps' losses (the paper uses
+  epoch averages; set `beta>0` for moving averages of the losses instead of raw steps);
+  `w = 1` for the first two steps.
+* `gradnorm(alpha)` (Chen et al., 2018): learnable `w` (start 1); with
+  `G_t = w_t ||g_t||` on the shared parameters (or those matching `layer`),
+  `r_t = (L_t / L_t(0)) / mean(L / L(0))`, `L_grad = sum_t |G_t - mean(G) r_t^alpha|`
+  (target held constant); `w` takes one optimizer step on `dL_grad/dw` and is
+  renormalised to sum to T.
+
+All need `task_losses=` in `update`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ktx.optim.num_tasks import resolve_num_tasks
+from ktx.optim.selection import param_names
+from ktx.optim.task_gradients import (
+    combine_with_weights,
+    flatten_task_gradients,
+    leaf_sq_norms,
+    num_tasks_of,
+)
+
+__all__ = [
+    "UncertaintyState",
+    "uncertainty",
+    "DWAState",
+    "dwa",
+    "GradNormState",
+    "gradnorm",
+]
+
+
+def _losses(task_losses, t: int, method: str) -> jax.Array:
+    if task_losses is None:
+        raise ValueError(f"{method}: update needs task_losses= (the [T] per-task losses)")
+    losses = jax.lax.stop_gradient(jnp.asarray(task_losses, jnp.float32))
+    if losses.shape != (t,):
+        raise ValueError(f"{method}: task_losses has shape {losses.shape}; expected ({t},)")
+    return losses
+
+
+class UncertaintyState(NamedTuple):
+    log_vars: jax.Array  # [T] s_t = log sigma_t^2
+    opt_state: Any
+
+
+def uncertainty(
+    learning_rate: float = 1e-3,
+    optimizer: optax.GradientTransformation | None = None,
+    num_tasks: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Uncertainty weighting; `optimizer` (default `optax.adam(learning_rate)`) learns `s`."""
+    inner = optimizer if optimizer is not None else optax.adam(learning_rate)
+
+    def init_fn(params):
+        del params
+        t = resolve_num_tasks(num_tasks, "uncertainty")
+        s = jnp.zeros((t,), jnp.float32)
+        return UncertaintyState(s, inner.init(s))
+
+    def update_fn(updates, state, params=None, *, task_losses=None, **extra):
+        del params, extra
+        stacked, _, _ = flatten_task_gradients(updates)
+        t = num_tasks_of(stacked)
+        losses = _losses(task_losses, t, "uncertainty")
+        s = state.log_vars
+        w = 0.5 * jnp.exp(-s)
+        grad_s = 0.5 - 0.5 * jnp.exp(-s) * losses
+        step, opt_state = inner.update(grad_s, state.opt_state, s)
+        new_s = optax.apply_updates(s, step)
+        return combine_with_weights(updates, w), UncertaintyState(new_s, opt_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class DWAState(NamedTuple):
+    count: jax.Array  # [] steps seen
+    last: jax.Array  # [T] L(k-1)
+    before_last: jax.Array  # [T] L(k-2)
+
+
+def dwa(
+    temperature: float = 2.0, beta: float = 0.0, num_tasks: int | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """Dynamic Weight Average; `beta` in [0, 1) smooths the losses (0: raw steps)."""
+    if float(temperature) <= 0:
+        raise ValueError(f"dwa: temperature={temperature!r}; expected > 0")
+    if not 0.0 <= float(beta) < 1.0:
+        raise ValueError(f"dwa: beta={beta!r}; accepted: [0, 1)")
+
+    def init_fn(params):
+        del params
+        t = resolve_num_tasks(num_tasks, "dwa")
+        z = jnp.zeros((t,), jnp.float32)
+        return DWAState(jnp.zeros([], jnp.int32), z, z)
+
+    def update_fn(updates, state, params=None, *, task_losses=None, **extra):
+        del params, extra
+        stacked, _, _ = flatten_task_gradients(updates)
+        t = num_tasks_of(stacked)
+        losses = _losses(task_losses, t, "dwa")
+        ratio = state.last / jnp.where(state.before_last > 0, state.before_last, 1.0)
+        w = t * jax.nn.softmax(ratio / temperature)
+        w = jnp.where(state.count >= 2, w, jnp.ones_like(w))
+        smoothed = jnp.where(state.count > 0, beta * state.last + (1 - beta) * losses, losses)
+        new_state = DWAState(state.count + 1, smoothed, state.last)
+        return combine_with_weights(updates, w), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class GradNormState(NamedTuple):
+    count: jax.Array  # []
+    weights: jax.Array  # [T]
+    initial_losses: jax.Array  # [T] L(0)
+    opt_state: Any
+
+
+def gradnorm(
+    alpha: float = 1.5,
+    learning_rate: float = 0.025,
+    layer: Sequence[str] | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    num_tasks: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """GradNorm; `layer` regexes choose W (default: every shared parameter)."""
+    import re
+
+    if float(alpha) < 0:
+        raise ValueError(f"gradnorm: alpha={alpha!r}; expected >= 0")
+    patterns = [re.compile(p) for p in layer] if layer is not None else None
+    inner = optimizer if optimizer is not None else optax.adam(learning_rate)
+
+    def init_fn(params):
+        del params
+        t = resolve_num_tasks(num_tasks, "gradnorm")
+        w = jnp.ones((t,), jnp.float32)
+        return GradNormState(jnp.zeros([], jnp.int32), w, jnp.ones((t,), jnp.float32), inner.init(w))
+
+    def update_fn(updates, state, params=None, *, task_losses=None, **extra):
+        del params, extra
+        stacked, _, treedef = flatten_task_gradients(updates)
+        t = num_tasks_of(stacked)
+        losses = _losses(task_losses, t, "gradnorm")
+        names = param_names(treedef.unflatten([0] * len(stacked)))
+        chosen = [
+            s for n, s in zip(names, stacked)
+            if s is not None and (patterns is None or any(p.search(n) for p in patterns))
+        ]
+        if not chosen:
+            raise ValueError(f"gradnorm: layer={layer!r} matches no shared parameter of {names}")
+        norms = jnp.sqrt(sum(leaf_sq_norms(s) for s in chosen))  # ||g_t|| on W
+        w = state.weights
+        initial = jnp.where(state.count == 0, losses, state.initial_losses)
+        g = w * norms
+        ratio = losses / jnp.where(initial > 0, initial, 1.0)
+        rel = ratio / jnp.maximum(ratio.mean(), 1e-12)
+        target = jax.lax.stop_gradient(g.mean() * rel**alpha)
+        grad_w = jnp.sign(g - target) * norms
+        step, opt_state = inner.update(grad_w, state.opt_state, w)
+        new_w = jnp.maximum(optax.apply_updates(w, step), 0.0)
+        new_w = t * new_w / jnp.maximum(new_w.sum(), 1e-12)
+        new_state = GradNormState(state.count + 1, new_w, initial, opt_state)
+        return combine_with_weights(updates, w), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,237 @@
+"""`train(...)`: the training loop behind `ktx train`, with explicit arguments.
+
+The loop (T5X style): build the mesh and the sharded state; resume from the latest
+checkpoint in `model_dir` (or start from `initial_checkpoint_path`'s params); then for
+each step `s` take `train_input.get_batch(s)` (a pure function of the step, so resuming
+at step s continues the data stream exactly), run the compiled step, and every
+`log_period` steps fetch the metrics, stop on a non-finite loss (naming the first bad
+step), write `metrics.jsonl`/TensorBoard and print the progress line. Checkpoints are
+written only after the metrics of every step up to them were checked finite, so the
+last checkpoint of a run stopped by a NaN is a good one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from ktx import partitioning
+from ktx.checkpoints import CheckpointManager, load_initial_params
+from ktx.models.base import BaseModel
+from ktx.summaries import MetricsWriter, ProgressLogger, per_task_metrics
+from ktx.trainer import Trainer, TrainState
+
+__all__ = ["NonFiniteLossError", "train", "check_input"]
+
+_log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or Inf; the message names the step."""
+
+
+def check_input(train_input: Any) -> None:
+    """Raises TypeError naming what `train_input` lacks from interface §3."""
+    missing = [
+        name for name in ("task_names", "num_tasks", "get_batch", "task_counts")
+        if not hasattr(train_input, name)
+    ]
+    if missing:
+        raise TypeError(
+            f"train_input={train_input!r} lacks {missing}; a training input needs "
+            f"task_names, num_tasks, get_batch(step) and task_counts(step)"
+        )
+
+
+def _host_rows(batch) -> int:
+    return int(np.shape(next(iter(batch.values())))[0])
+
+
+def train(
+    *,
+    model: BaseModel,
+    train_input: Any,
+    model_dir: str | os.PathLike,
+    train_steps: int,
+    optimizer: optax.GradientTransformation,
+    schedule: Any = None,
+    balancer: Any = None,
+    num_partitions: int = 1,
+    additional_rules: Sequence[tuple[str, str | None]] = (),
+    num_microbatches: int = 1,
+    grad_method: str = "auto",
+    shared: Sequence[str] | None = None,
+    seed: int = 0,
+    log_period: int = 100,
+    checkpoint_period: int = 1000,
+    keep_checkpoints: int | None = None,
+    async_checkpoints: bool = False,
+    initial_checkpoint_path: str | None = None,
+    eval_period: int = 0,
+    eval_split: str = "validation",
+    eval_batch_size: int | None = None,
+    eval_input: Any = None,
+    decode_eval_period: int = 0,
+    decode_evaluator_fn: Callable[..., Any] | None = None,
+    started_callback: Callable[[], None] | None = None,
+) -> TrainState:
+    """Trains `model` on `train_input` for `train_steps` steps (total, resumed runs
+    included) and returns the final state.
+
+    Args:
+      model: a `BaseModel`.
+      train_input: interface §3 (`get_batch(step)`, `task_names`, `task_counts(step)`).
+      model_dir: the run directory (checkpoints/, metrics.jsonl, TensorBoard events).
+      train_steps: the step to stop at (T5X's TRAIN_STEPS).
+      optimizer, schedule: from `ktx.optimizers` (schedule only for reporting).
+      balancer: optional `ktx.optim` balancer (per-task gradient path).
+      num_partitions: model-parallel size (NUM_PARTITIONS); the rest is data-parallel.
+      num_microbatches: gradient accumulation.
+      seed: parameter init and dropout keys.
+      log_period: steps between metric fetches / NaN checks / progress lines.
+      checkpoint_period, keep_checkpoints: save cadence and how many to keep; a final
+        checkpoint is always written at `train_steps`.
+      initial_checkpoint_path: start a *new* run from another run's parameters.
+      eval_period: teacher-forced evaluation of every task every this many steps (0:
+        off) on `eval_input` (default `train_input`) via `eval_batches(task, split, bs)`.
+      decode_eval_period, decode_evaluator_fn: every this many steps call
+        `decode_evaluator_fn(trainer=..., params=..., step=..., writer=...)`
+        (see `ktx.eval.make_decode_evaluator`).
+      started_callback: called once the state exists (the CLI writes config.gin there).
+    """
+    check_input(train_input)
+    if not isinstance(train_steps, int) or train_steps < 0:
+        raise ValueError(f"train_steps={train_steps!r}; accepted: an integer >= 0")
+    if not isinstance(log_period, int) or log_period < 1:
+        raise ValueError(f"log_period={log_period!r}; accepted: an integer >= 1")
+    if train_input.num_tasks != model.num_tasks:
+        raise ValueError(
+            f"the input has {train_input.num_tasks} tasks {list(train_input.task_names)} but "
+            f"model.num_tasks={model.num_tasks}; set NUM_TASKS to {train_input.num_tasks}"
+        )
+    task_names = tuple(train_input.task_names)
+    model_dir = pathlib.Path(model_dir).expanduser()
+    model_dir.mkdir(parents=True, exist_ok=True)
+
+    mesh = partitioning.create_mesh(num_partitions)
+    rules = partitioning.standard_logical_axis_rules(additional_rules)
+    trainer = Trainer(
+        model, optimizer, mesh=mesh, rules=rules, balancer=balancer, schedule=schedule,
+        num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
+    )
+    first_batch = train_input.get_batch(0)
+    abstract, _ = trainer.create_abstract_state(first_batch)
+    checkpoints = CheckpointManager(
+        model_dir, save_period=checkpoint_period, keep=keep_checkpoints, async_save=async_checkpoints
+    )
+    rng = jax.random.key(seed)
+    init_rng, dropout_rng = jax.random.split(rng)
+    latest = checkpoints.latest_step()
+    if latest is not None:
+        state = checkpoints.restore(abstract, latest)
+        _log.info("resumed from %s at step %d", checkpoints.directory, latest)
+        print(f"Resuming from checkpoint step {latest} in {checkpoints.directory}", flush=True)
+    else:
+        state = trainer.init_state(init_rng, first_batch)
+        if initial_checkpoint_path:
+            params, report = load_initial_params(
+                initial_checkpoint_path, abstract.params, state.params
+            )
+            print(report.summary(), flush=True)
+            state = state.replace(params=params, opt_state=jax.jit(
+                trainer.tx.init, out_shardings=trainer.state_shardings.opt_state)(params))
+    if started_callback is not None:
+        started_callback()
+
+    writer = MetricsWriter(model_dir)
+    start = int(jax.device_get(state.step))
+    progress = ProgressLogger(train_steps, start_step=start)
+    pending: list[tuple[int, dict]] = []
+    input_time = 0.0
+    period_start = time.perf_counter()
+    last_good = checkpoints.latest_step()
+
+    def flush(step: int) -> None:
+        """Fetches pending metrics, stops on a non-finite loss, writes summaries."""
+        nonlocal pending, input_time, period_start
+        if not pending:
+            return
+        fetched = jax.device_get([m for _, m in pending])
+        steps = [s for s, _ in pending]
+        for s, m in zip(steps, fetched):
+            loss = float(m["loss"])
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"loss is {loss} at step {s} (the update from batch {s}); stopping. "
+                    f"Last good checkpoint: "
+                    f"{'step ' + str(last_good) if last_good is not None else 'none'} in "
+                    f"{checkpoints.directory}"
+                )
+        elapsed = max(time.perf_counter() - period_start, 1e-9)
+        sums = {k: np.sum([np.asarray(m["aux"][k]) for m in fetched], 0) for k in fetched[0]["aux"]}
+        sums["examples"] = np.sum([m["examples"] for m in fetched], 0)
+        by_task = per_task_metrics(sums, task_names)
+        task_losses = np.mean([m["task_losses"] for m in fetched], 0)
+        for t, name in enumerate(task_names):
+            if name in by_task:
+                by_task[name]["task_loss"] = float(task_losses[t])
+        rows = float(np.sum(sums["examples"]))
+        steps_per_s, examples_per_s = progress.rates(step, int(rows / len(fetched)))
+        total = by_task.setdefault("all", {})
+        total.update(
+            objective=float(np.mean([m["loss"] for m in fetched])),
+            learning_rate=float(fetched[-1]["learning_rate"]),
+            grad_norm=float(np.mean([m["grad_norm"] for m in fetched])),
+            update_norm=float(np.mean([m["update_norm"] for m in fetched])),
+            param_norm=float(fetched[-1]["param_norm"]),
+            steps_per_s=steps_per_s,
+            examples_per_s=examples_per_s,
+            input_wait_fraction=input_time / elapsed,
+        )
+        writer.write_tasks(step, "train", by_task)
+        progress.log(step, total["objective"], steps_per_s, examples_per_s)
+        pending, input_time, period_start = [], 0.0, time.perf_counter()
+
+    try:
+        for step in range(start, train_steps):
+            t0 = time.perf_counter()
+            batch = first_batch if step == 0 else train_input.get_batch(step)
+            counts = train_input.task_counts(step)
+            input_time += time.perf_counter() - t0
+            state, metrics = trainer.train_step(state, batch, dropout_rng, counts)
+            pending.append((step, metrics))
+            done = step + 1
+            if done % log_period == 0 or done == train_steps:
+                flush(done)
+            if checkpoints.should_save(done) or done == train_steps:
+                flush(done)
+                if checkpoints.save(state, force=done == train_steps, meta={"task_names": task_names}):
+                    last_good = done
+            if eval_period and (done % eval_period == 0 or done == train_steps):
+                from ktx.eval import teacher_forced_eval
+
+                results = teacher_forced_eval(
+                    trainer, state.params, eval_input or train_input, task_names,
+                    split=eval_split,
+                    batch_size=eval_batch_size or _host_rows(first_batch) * jax.process_count(),
+                )
+                writer.write_tasks(done, eval_split, results)
+            if decode_evaluator_fn is not None and decode_eval_period and (
+                done % decode_eval_period == 0 or done == train_steps
+            ):
+                decode_evaluator_fn(trainer=trainer, params=state.params, step=done, writer=writer)
+        if train_steps == start and start > 0:
+            print(f"Checkpoint step {start} already reached TRAIN_STEPS={train_steps}", flush=True)
+    finally:
+        checkpoints.close()
+        writer.close()
+    return state

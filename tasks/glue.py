@@ -1,0 +1,150 @@
+"""GLUE tasks in T5's text-to-text format: `glue_<task>_v002` (Raffel et al., 2020).
+
+Inputs are "<task> <feature>: <text> ..." with the features in sorted order (e.g.
+"rte sentence1: ... sentence2: ...", "mnli hypothesis: ... premise: ..."), targets are the
+label names ("entailment", "not_entailment", ...), STS-B scores rounded to 0.2 and written
+"%.1f" ("3.8"). Rows come from the official GLUE files under `<data_dir>/glue/` or from a
+prepared TFDS copy (`ktx.tasks.config`). MNLI has `validation_matched` and
+`validation_mismatched` splits, and eval-only tasks `glue_mnli_{matched,mismatched}_v002`
+whose `validation` split is the one named.
+
+The text preprocessors here (`t5_glue_text`, `t5_stsb_text`) are reused by the SuperGLUE
+and CS224N tasks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import seqio
+import tensorflow as tf
+
+from ktx.data import glue_sources
+from ktx.metrics import glue as glue_metrics
+from ktx.tasks import config
+
+__all__ = [
+    "GLUE_METRICS",
+    "GLUE_TASKS",
+    "GLUE_EVAL_ONLY_TASKS",
+    "t5_glue_text",
+    "t5_stsb_text",
+    "make_source",
+    "register_text_task",
+]
+
+
+@seqio.map_over_dataset
+def t5_glue_text(x, benchmark_name: str, label_names: Sequence[str],
+                 feature_names: Sequence[str] | None = None):
+    """T5's GLUE formatting of one example.
+
+    Args:
+      x: TFDS-shaped features: text features, int `label` (-1: unlabelled), `idx`.
+      benchmark_name: the input prefix, e.g. "rte".
+      label_names: target string of each label id.
+      feature_names: text features to join, in order; default all but label/idx, sorted.
+
+    Returns:
+      {"inputs": "<benchmark> <f1>: <text1> <f2>: <text2>", "targets": label name or
+      "<unk>", "idx"}; MultiRC drops <br>/<b> markup and keeps "idx/paragraph",
+      "idx/question", "idx/answer" for grouping answers by question.
+    """
+    keys = list(feature_names or sorted(k for k in x if k not in ("label", "idx")))
+    parts = [benchmark_name]
+    for key in keys:
+        parts += [f"{key}:", x[key]]
+    joined = tf.strings.join(parts, separator=" ")
+    label = tf.cast(x["label"], tf.int32)
+    names = tf.constant(list(label_names))
+    target = tf.cond(label < 0, lambda: tf.constant("<unk>"),
+                     lambda: tf.gather(names, tf.maximum(label, 0)))
+    ex = {}
+    if benchmark_name == "multirc":
+        joined = tf.strings.regex_replace(joined, "<br>", " ")
+        joined = tf.strings.regex_replace(joined, "<(/)?b>", "")
+        for key in ("paragraph", "question", "answer"):
+            ex[f"idx/{key}"] = tf.cast(x["idx"][key], tf.int32)
+    else:
+        ex["idx"] = tf.cast(x["idx"], tf.int32)
+    ex["inputs"] = joined
+    ex["targets"] = target
+    return ex
+
+
+@seqio.map_over_dataset
+def t5_stsb_text(x, benchmark_name: str = "stsb"):
+    """STS-B as text: "stsb sentence1: ... sentence2: ..." -> round(score * 5) / 5 as "%.1f"."""
+    joined = tf.strings.join(
+        [benchmark_name, "sentence1:", x["sentence1"], "sentence2:", x["sentence2"]], separator=" ")
+    score = tf.cast(x["label"], tf.float32)
+    target = tf.strings.as_string(tf.round(score * 5.0) / 5.0, precision=1)
+    return {"inputs": joined, "targets": target, "idx": tf.cast(x["idx"], tf.int32)}
+
+
+GLUE_METRICS = {
+    "cola": [glue_metrics.matthews_corrcoef],
+    "sst2": [glue_metrics.accuracy],
+    "mrpc": [glue_metrics.f1_binary, glue_metrics.accuracy],
+    "qqp": [glue_metrics.f1_binary, glue_metrics.accuracy],
+    "stsb": [glue_metrics.pearson_corrcoef, glue_metrics.spearman_corrcoef],
+    "mnli": [glue_metrics.accuracy],
+    "qnli": [glue_metrics.accuracy],
+    "rte": [glue_metrics.accuracy],
+    "wnli": [glue_metrics.accuracy],
+}
+
+_TOKENIZE = [
+    seqio.preprocessors.tokenize,
+    seqio.CacheDatasetPlaceholder(),
+    seqio.preprocessors.append_eos_after_trim,
+]
+
+
+def make_source(layout: glue_sources.Layout) -> glue_sources.OfficialFilesSource:
+    """A source over `layout` that resolves its folders through `ktx.tasks.config`."""
+    return glue_sources.OfficialFilesSource(
+        layout, config.get_data_dir, config.get_tfds_data_dir, config.get_on_bad_row)
+
+
+def register_text_task(name: str, layout: glue_sources.Layout, text_preprocessor,
+                       metric_fns, postprocess_fn) -> seqio.Task:
+    """Registers a T5-style text-to-text task over official files (tokenize, cache, EOS)."""
+    return seqio.TaskRegistry.add(
+        name,
+        source=make_source(layout),
+        preprocessors=[text_preprocessor, *_TOKENIZE],
+        output_features=config.t5_output_features(),
+        postprocess_fn=postprocess_fn,
+        metric_fns=list(metric_fns),
+    )
+
+
+def _register() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    train_tasks, eval_only = [], []
+    for task, layout in glue_sources.GLUE_LAYOUTS.items():
+        if task == "stsb":
+            text = functools.partial(t5_stsb_text, benchmark_name="stsb")
+            post = glue_metrics.string_to_float
+        else:
+            labels = glue_sources.GLUE_LABELS[task]
+            text = functools.partial(t5_glue_text, benchmark_name=task, label_names=labels)
+            post = glue_metrics.string_label_to_class_id(labels)
+        name = f"glue_{task}_v002"
+        register_text_task(name, layout, text, GLUE_METRICS[task], post)
+        train_tasks.append(name)
+        if task == "mnli":
+            for which in ("matched", "mismatched"):
+                split = f"validation_{which}"
+                eval_layout = dataclasses.replace(
+                    layout, splits={"validation": layout.splits[split]},
+                    tfds_splits={"validation": split})
+                eval_name = f"glue_mnli_{which}_v002"
+                register_text_task(eval_name, eval_layout, text, GLUE_METRICS[task], post)
+                eval_only.append(eval_name)
+    return tuple(train_tasks), tuple(eval_only)
+
+
+GLUE_TASKS, GLUE_EVAL_ONLY_TASKS = _register()

@@ -1,0 +1,120 @@
+"""SuperGLUE tasks in T5's text-to-text format: `super_glue_<task>_v102` (Raffel et al., 2020).
+
+* BoolQ, CB, COPA, RTE, WiC: "<task> <feature>: <text> ..." (sorted features; WiC
+  "wic sentence1: ... sentence2: ... word: ...") -> label name ("True", "entailment",
+  "choice2", ...).
+* MultiRC: one example per answer option, "multirc question: ... answer: ... paragraph:
+  ..." -> "True"/"False", with `idx/paragraph`, `idx/question` kept to group the answers of
+  a question for exact match.
+* ReCoRD: "record query: ... entities: e1, e2 passage: ..." (the "@highlight" markers
+  turned into sentence breaks), one example per gold answer, each carrying all `answers`
+  and `idx/passage`, `idx/query`; the metric scores every query once.
+* WSC: T5's fixed WSC format, "wsc text: ... * noun * ... # pronoun # ..." -> "True"/"False".
+
+Splits: train, validation, and FewGLUE's train_32shot (Schick & Schuetze, 2021).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import seqio
+import tensorflow as tf
+
+from ktx.data import glue_sources
+from ktx.metrics import glue as glue_metrics
+from ktx.tasks import glue
+
+__all__ = ["SUPER_GLUE_METRICS", "SUPER_GLUE_TASKS", "t5_wsc_text", "t5_record_text"]
+
+
+def _escape_regex(text: tf.Tensor) -> tf.Tensor:
+    return tf.strings.regex_replace(text, r"([\\.^$|?*+()\[\]{}])", r"\\\1")
+
+
+@seqio.map_over_dataset
+def t5_wsc_text(x):
+    """Marks span1 (the noun) with * and span2 (the pronoun) with #, at their word indices.
+
+    "The city councilmen refused ... because they ..." with span1 "The city councilmen" at
+    word 0 and span2 "they" at word 6 -> "wsc text: * The city councilmen * refused ...
+    because # they # ...".
+    """
+
+    def mark(text, span, index, marker):
+        pattern = tf.strings.join(
+            ["^((?:\\S+\\s){", tf.strings.as_string(index), "})(", _escape_regex(span), ")"])
+        return tf.strings.regex_replace(text, pattern, r"\1{0} \2 {0}".format(marker))
+
+    index1 = tf.cast(x["span1_index"], tf.int32)
+    index2 = tf.cast(x["span2_index"], tf.int32)
+    text = mark(x["text"], x["span1_text"], index1, "*")
+    # span1's two markers are two more words before span2 when span1 comes first.
+    index2 += 2 * tf.cast(index1 < index2, tf.int32)
+    text = mark(text, x["span2_text"], index2, "#")
+    label = tf.cast(x["label"], tf.int32)
+    target = tf.cond(label < 0, lambda: tf.constant("<unk>"),
+                     lambda: tf.gather(tf.constant(["False", "True"]), tf.maximum(label, 0)))
+    return {"inputs": tf.strings.join(["wsc text:", text], separator=" "), "targets": target,
+            "idx": tf.cast(x["idx"], tf.int32)}
+
+
+def t5_record_text(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """ReCoRD as text, one example per gold answer ("<unk>" target when there is none)."""
+
+    def per_answer(x):
+        passage = tf.strings.regex_replace(x["passage"], r"(\.|\?|\!|\"|\')\n@highlight\n", r"\1 ")
+        passage = tf.strings.regex_replace(passage, r"\n@highlight\n", ". ")
+        inputs = tf.strings.join(
+            ["record query:", x["query"], "entities:",
+             tf.strings.reduce_join(x["entities"], separator=", "), "passage:", passage],
+            separator=" ")
+        answers = tf.reshape(x["answers"], [-1])
+        targets = tf.cond(tf.size(answers) > 0, lambda: answers, lambda: tf.constant(["<unk>"]))
+        n = tf.size(targets)
+        return tf.data.Dataset.from_tensor_slices({
+            "inputs": tf.fill([n], inputs),
+            "targets": targets,
+            "answers": tf.broadcast_to(answers[None], [n, tf.size(answers)]),
+            "idx/passage": tf.fill([n], tf.cast(x["idx"]["passage"], tf.int32)),
+            "idx/query": tf.fill([n], tf.cast(x["idx"]["query"], tf.int32)),
+        })
+
+    return dataset.flat_map(per_answer)
+
+
+SUPER_GLUE_METRICS = {
+    "boolq": [glue_metrics.accuracy],
+    "cb": [glue_metrics.mean_multiclass_f1(num_classes=3), glue_metrics.accuracy],
+    "copa": [glue_metrics.accuracy],
+    "multirc": [glue_metrics.multirc_f1a, glue_metrics.multirc_exact_match],
+    "record": [glue_metrics.record_em_f1],
+    "rte": [glue_metrics.accuracy],
+    "wic": [glue_metrics.accuracy],
+    "wsc": [glue_metrics.accuracy],
+}
+
+_FEATURE_ORDER = {"multirc": ("question", "answer", "paragraph"),
+                  "wic": ("sentence1", "sentence2", "word")}
+
+
+def _register() -> tuple[str, ...]:
+    names = []
+    for task, layout in glue_sources.SUPER_GLUE_LAYOUTS.items():
+        if task == "wsc":
+            text, post = t5_wsc_text, glue_metrics.string_label_to_class_id(("False", "True"))
+        elif task == "record":
+            text, post = t5_record_text, glue_metrics.record_postprocess
+        else:
+            labels = glue_sources.SUPER_GLUE_LABELS[task]
+            text = functools.partial(glue.t5_glue_text, benchmark_name=task, label_names=labels,
+                                     feature_names=_FEATURE_ORDER.get(task))
+            post = (glue_metrics.multirc_postprocess if task == "multirc"
+                    else glue_metrics.string_label_to_class_id(labels))
+        name = f"super_glue_{task}_v102"
+        glue.register_text_task(name, layout, text, SUPER_GLUE_METRICS[task], post)
+        names.append(name)
+    return tuple(names)
+
+
+SUPER_GLUE_TASKS = _register()

@@ -1,0 +1,124 @@
+"""Hand-computed checks of the biomedical metrics (entity P/R/F1, MEDIQA ranking)."""
+
+import math
+
+import pytest
+
+from ktx.metrics import biomed as m
+
+
+def test_iob_to_spans_iob2_and_conlleval_conventions():
+    tags = ["O", "B-Disease", "I-Disease", "O", "I-Disease", "B-Disease", "B-Disease", "I-Chem"]
+    # I- after O starts an entity; B- after B- starts a new one; I-Chem after Disease starts one.
+    assert m.iob_to_spans(tags) == [
+        (1, 3, "Disease"), (4, 5, "Disease"), (5, 6, "Disease"), (6, 7, "Disease"), (7, 8, "Chem")
+    ]
+    assert m.iob_to_spans([]) == []
+    assert m.iob_to_spans(["B-Disease", "I-Disease"]) == [(0, 2, "Disease")]
+
+
+def test_iob_to_spans_rejects_unknown_tag_naming_position():
+    with pytest.raises(ValueError, match=r"tags\[1\]='X-Disease'"):
+        m.iob_to_spans(["O", "X-Disease"])
+
+
+def test_iob_mentions_and_length_check():
+    tokens = ["Familial", "breast", "cancer", "and", "APC", "."]
+    tags = ["B-Disease", "I-Disease", "I-Disease", "O", "B-Disease", "O"]
+    assert m.iob_mentions(tokens, tags) == ["Familial breast cancer", "APC"]
+    with pytest.raises(ValueError, match="5 tokens but 6 tags"):
+        m.iob_mentions(tokens[:5], tags)
+
+
+def test_format_and_parse_mentions_round_trip():
+    assert m.format_mentions([]) == "none"
+    text = m.format_mentions(["breast  cancer", "APC"])
+    assert text == "breast cancer | APC"
+    assert m.parse_mentions(text) == ["breast cancer", "APC"]
+    assert m.parse_mentions("None") == []
+    assert m.parse_mentions("") == []
+    assert m.parse_mentions("a|b |  | c ") == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="separator"):
+        m.format_mentions(["a | b"])
+    with pytest.raises(ValueError, match="cannot be written"):
+        m.format_mentions(["none"])
+
+
+def test_entity_prf_multiset_micro_hand_computed():
+    gold = [["a", "b", "b"], [], ["c"]]
+    pred = [["a", "b", "x"], ["y"], ["c"]]
+    # tp: sentence 1 -> a, b (one b) = 2; sentence 3 -> c = 1. tp=3, pred=5, gold=4.
+    scores = m.entity_prf(gold, pred)
+    assert scores["precision"] == pytest.approx(60.0)
+    assert scores["recall"] == pytest.approx(75.0)
+    assert scores["f1"] == pytest.approx(2 * 0.6 * 0.75 / 1.35 * 100)
+    assert m.entity_prf([[]], [[]]) == {"precision": 100.0, "recall": 100.0, "f1": 100.0}
+    assert m.entity_prf([["a"]], [[]]) == {"precision": 0.0, "recall": 0.0, "f1": 0.0}
+    with pytest.raises(ValueError, match="aligned"):
+        m.entity_prf([["a"]], [])
+
+
+def test_entity_prf_iob_counts_boundary_errors_as_both_fp_and_fn():
+    gold = [["B-Disease", "I-Disease", "O", "B-Disease"]]
+    pred = [["B-Disease", "O", "O", "B-Disease"]]  # first entity truncated
+    scores = m.entity_prf_iob(gold, pred)
+    assert scores == pytest.approx({"precision": 50.0, "recall": 50.0, "f1": 50.0})
+    with pytest.raises(ValueError, match="sentence 0"):
+        m.entity_prf_iob([["O"]], [["O", "O"]])
+
+
+def test_ner_mention_metrics_normalizes_whitespace():
+    out = m.ner_mention_metrics([["breast cancer"], []], [["breast  cancer "], ["x"]])
+    assert out == pytest.approx(
+        {"entity_precision": 50.0, "entity_recall": 100.0, "entity_f1": 200 / 3}
+    )
+
+
+def test_ranking_target_score_formula():
+    assert m.ranking_target_score(4, 1, 5) == 4.0
+    assert m.ranking_target_score(3, 3, 4) == pytest.approx(2.5)
+    assert m.ranking_target_score(2, 1, 3) == 2.0  # not correct: <= threshold 2
+    with pytest.raises(ValueError, match="reference_rank=6"):
+        m.ranking_target_score(4, 6, 5)
+
+
+def _t(q, correct):
+    return {"question_id": q, "correct": correct}
+
+
+def test_answer_ranking_metrics_hand_computed():
+    targets = [_t("q1", False), _t("q1", True), _t("q1", True), _t("q2", False), _t("q2", True)]
+    preds = [3.5, 2.5, 1.0, 2.1, float("nan")]
+    # q1 ranking: a1 (3.5, pred+, wrong), a2 (2.5, pred+, right), a3 (1.0, pred-, right)
+    #   -> first predicted-positive correct at rank 2: rr = 1/2; labels agree on a2 only.
+    # q2 ranking: a4 (2.1, pred+, wrong), a5 (nan -> -inf, pred-, right) -> rr = 0.
+    # accuracy = 1/5; precision = 1 / 3 predicted positive; MRR = (0.5 + 0) / 2.
+    out = m.answer_ranking_metrics(targets, preds)
+    assert out == pytest.approx({"accuracy": 20.0, "precision": 100 / 3, "mrr": 25.0})
+
+
+def test_answer_ranking_metrics_perfect_and_threshold():
+    targets = [_t(1, True), _t(1, False), _t(2, False)]
+    gold = [3.9, 1.5, 2.0]
+    out = m.answer_ranking_metrics(targets, gold)
+    # q2 has no correct answer: MRR can reach only 1/2 (the official evaluator's definition).
+    assert out == pytest.approx({"accuracy": 100.0, "precision": 100.0, "mrr": 50.0})
+    out = m.answer_ranking_metrics(targets, gold, threshold=1.0)
+    assert out["precision"] == pytest.approx(100 / 3)
+    assert m.answer_ranking_metrics(targets, [0.0, 0.0, 0.0])["precision"] == 0.0
+
+
+def test_answer_ranking_metrics_ties_keep_input_order():
+    targets = [_t("q", False), _t("q", True)]
+    out = m.answer_ranking_metrics(targets, [3.0, 3.0])
+    assert out["mrr"] == pytest.approx(50.0)
+    assert not math.isnan(out["accuracy"])
+
+
+def test_answer_ranking_metrics_validates_inputs():
+    with pytest.raises(ValueError, match="2 targets but 1 predictions"):
+        m.answer_ranking_metrics([_t(1, True), _t(1, True)], [1.0])
+    with pytest.raises(ValueError, match="lacks 'question_id'"):
+        m.answer_ranking_metrics([{"correct": True}], [1.0])
+    with pytest.raises(ValueError, match="at least one"):
+        m.answer_ranking_metrics([], [])

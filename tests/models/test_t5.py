@@ -1,0 +1,254 @@
+"""Tests of the T5.1.1 module: hand-checked layers, masks, packing, hooks, sharding."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ktx import partitioning
+from ktx.models import t5
+
+TINY = t5.T5Config(
+    vocab_size=40, emb_dim=32, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
+    head_dim=16, mlp_dim=64, dropout_rate=0.0,
+)
+ENC = jnp.array([[5, 6, 7, 1, 0, 0], [8, 9, 1, 0, 0, 0]], jnp.int32)
+DEC_IN = jnp.array([[0, 11, 12, 13, 0], [0, 14, 15, 0, 0]], jnp.int32)
+DEC_TGT = jnp.array([[11, 12, 13, 1, 0], [14, 15, 1, 0, 0]], jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    module = t5.Transformer(TINY)
+    variables = module.init(jax.random.key(0), ENC, DEC_IN, DEC_TGT, enable_dropout=False)
+    return module, nn.unbox(variables)["params"]
+
+
+def _logits(module, params, enc=ENC, dec_in=DEC_IN, tgt=DEC_TGT, **kw):
+    return module.apply({"params": params}, enc, dec_in, tgt, enable_dropout=False, **kw)
+
+
+def test_rms_norm_hand_values():
+    norm = t5.RMSNorm()
+    x = jnp.array([[[3.0, 4.0]]])
+    variables = norm.init(jax.random.key(0), x)
+    y = norm.apply(variables, x)
+    # mean(x^2) = 12.5 -> x / sqrt(12.5)
+    np.testing.assert_allclose(y, [[[0.8485281, 1.1313709]]], rtol=1e-5)
+    # A per-example scale replaces the learned one (task-conditional layer norm).
+    y2 = norm.apply({}, x, scale=jnp.array([[2.0, -1.0]]))
+    np.testing.assert_allclose(y2, [[[1.6970563, -1.1313709]]], rtol=1e-5)
+    with pytest.raises(ValueError, match="scale shape"):
+        norm.apply({}, x, scale=jnp.ones((3,)))
+
+
+def test_relative_position_buckets_match_hand_tables():
+    # Bidirectional, 8 buckets, max distance 16: per direction 4 buckets, 2 exact.
+    # n = query - key; keys after the query (n < 0) use buckets 4..7.
+    n = np.arange(-8, 9)
+    got = t5.relative_position_bucket(-n, bidirectional=True, num_buckets=8, max_distance=16)
+    table = {0: 0, 1: 1, 2: 2, 3: 2, 4: 2, 5: 2, 6: 3, 7: 3, 8: 3}
+    want = [table[abs(v)] + (4 if v < 0 else 0) for v in n]
+    np.testing.assert_array_equal(got, want)
+    # Causal, 8 buckets, max distance 16: 4 exact, 4 logarithmic; future keys -> 0.
+    n = np.array([-3, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 100])
+    got = t5.relative_position_bucket(-n, bidirectional=False, num_buckets=8, max_distance=16)
+    want = [0, 0, 0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7, 7, 7]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gated_gelu_hand_value():
+    mlp = t5.MlpBlock(intermediate_dim=1, activations=("gelu", "linear"))
+    x = jnp.ones((1, 1, 1))
+    params = {"wi_0": {"kernel": jnp.array([[1.0]])}, "wi_1": {"kernel": jnp.array([[2.0]])},
+              "wo": {"kernel": jnp.array([[1.0]])}}
+    y = mlp.apply({"params": params}, x)
+    # gelu_tanh(1) * 2 = 0.5 * (1 + tanh(sqrt(2/pi) * 1.044715)) * 2
+    np.testing.assert_allclose(y, [[[1.6823840]]], rtol=1e-5)
+
+
+def test_every_param_has_logical_axes(tiny):
+    module, _ = tiny
+    boxed = module.init(jax.random.key(0), ENC, DEC_IN, DEC_TGT, enable_dropout=False)
+    specs = nn.get_partition_spec(boxed)["params"]
+    shapes = jax.tree.map(jnp.shape, nn.unbox(boxed))["params"]
+    known = {"vocab", "embed", "mlp", "heads", "kv", "relpos_buckets"}
+    flat_specs = jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    flat_shapes = dict(jax.tree_util.tree_leaves_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple)))
+    assert len(flat_specs) == len(flat_shapes) > 50
+    for path, spec in flat_specs:
+        assert isinstance(spec, jax.sharding.PartitionSpec), path
+        assert len(spec) == len(flat_shapes[path]), (path, spec)
+        assert set(spec) <= known, (path, spec)
+
+
+def test_causal_decoder_future_token_does_not_change_past(tiny):
+    module, params = tiny
+    base = _logits(module, params)
+    changed = _logits(module, params, dec_in=DEC_IN.at[0, 3].set(30))
+    np.testing.assert_allclose(base[0, :3], changed[0, :3], atol=1e-6)
+    assert not np.allclose(base[0, 3], changed[0, 3])
+    np.testing.assert_allclose(base[1], changed[1], atol=1e-6)
+
+
+def test_encoder_padding_is_ignored(tiny):
+    module, params = tiny
+    base = _logits(module, params)
+    longer = _logits(module, params, enc=jnp.pad(ENC, ((0, 0), (0, 3))))
+    # Valid decoder positions are unchanged (fully padded queries attend uniformly).
+    valid = np.asarray(DEC_TGT > 0)
+    np.testing.assert_allclose(np.asarray(base)[valid], np.asarray(longer)[valid], atol=1e-5)
+
+
+def test_packed_row_equals_separate_rows(tiny):
+    module, params = tiny
+    sep = _logits(module, params)
+    # Row 0 then row 1 packed into one row (lengths 4+3 encoder, 4+3 decoder).
+    enc = jnp.array([[5, 6, 7, 1, 8, 9, 1, 0]])
+    enc_seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]])
+    dec_in = jnp.array([[0, 11, 12, 13, 0, 14, 15, 0]])
+    tgt = jnp.array([[11, 12, 13, 1, 14, 15, 1, 0]])
+    dec_seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]])
+    pos = jnp.array([[0, 1, 2, 3, 0, 1, 2, 0]])
+    packed = _logits(
+        module, params, enc=enc, dec_in=dec_in, tgt=tgt, encoder_segment_ids=enc_seg,
+        decoder_segment_ids=dec_seg, encoder_positions=pos, decoder_positions=pos,
+    )
+    np.testing.assert_allclose(packed[0, :4], sep[0, :4], atol=1e-5)
+    np.testing.assert_allclose(packed[0, 4:7], sep[1, :3], atol=1e-5)
+    with pytest.raises(ValueError, match="both encoder_segment_ids and decoder_segment_ids"):
+        _logits(module, params, enc=enc, dec_in=dec_in, tgt=tgt, encoder_segment_ids=enc_seg)
+
+
+def test_bfloat16_activations_run(tiny):
+    _, params = tiny
+    module = t5.Transformer(dataclasses.replace(TINY, dtype="bfloat16"))
+    logits = _logits(module, params)
+    assert logits.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(logits, np.float32)))
+    ref = _logits(t5.Transformer(TINY), params)
+    np.testing.assert_allclose(np.asarray(logits, np.float32), ref, atol=0.15)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="T5Config.dtype='float16'"):
+        t5.T5Config(dtype="float16")
+    with pytest.raises(ValueError, match="mlp_activations"):
+        t5.T5Config(mlp_activations=("swish",))
+    with pytest.raises(ValueError, match="num_heads=0"):
+        t5.T5Config(num_heads=0)
+    assert t5.T5Config(mlp_activations=["gelu", "linear"]).mlp_activations == ("gelu", "linear")
+
+
+def test_incremental_decode_matches_full_forward(tiny):
+    module, params = tiny
+    full = _logits(module, params, tgt=None)
+    encoded = module.apply({"params": params}, ENC, enable_dropout=False, method=t5.Transformer.encode)
+    length = DEC_IN.shape[1]
+
+    def step(ids, cache):
+        variables = {"params": params} if cache is None else {"params": params, "cache": cache}
+        return module.apply(
+            variables, encoded, ENC, ids, enable_dropout=False, decode=True,
+            max_decode_length=length, mutable=["cache"], method=t5.Transformer.decode,
+        )
+
+    _, created = step(DEC_IN, None)
+    cache = jax.tree.map(jnp.zeros_like, created["cache"])
+    for i in range(length):
+        logits, mutated = step(DEC_IN[:, i : i + 1], cache)
+        cache = mutated["cache"]
+        np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-5)
+
+
+class _PrefixAdapterLayer(t5.DecoderLayer):
+    """Test subclass: constant per-example prefixes, an additive adapter."""
+
+    def attention_prefix(self, x, task_id, *, name):
+        table = self.param(f"{name}_prefix", nn.initializers.normal(1.0), (3, 2, 2, 16))
+        kv = table[task_id]  # [B, P=2, 2, H, D]
+        return kv[:, :, 0], kv[:, :, 1]
+
+    def adapt(self, y, task_id, *, name, deterministic):
+        return y + nn.Dense(y.shape[-1], name=f"{name}_adapter")(y)
+
+
+def test_hooks_prefix_and_adapter_with_decode_cache(tiny):
+    module, params = tiny
+    cond = t5.Transformer(TINY, decoder_layer_cls=_PrefixAdapterLayer)
+    task_id = jnp.array([0, 2])
+    init = cond.init(jax.random.key(1), ENC, DEC_IN, DEC_TGT, task_id, enable_dropout=False)
+    cparams = nn.unbox(init)["params"]
+    assert "self_attention_prefix" in cparams["decoder"]["layers_0"]
+    assert "mlp_adapter" in cparams["decoder"]["layers_1"]
+    # The plain parameters are unchanged in structure.
+    plain_keys = set(jax.tree_util.tree_structure(params).node_data()[1])
+    assert plain_keys <= set(cparams)
+    logits, state = cond.apply(
+        {"params": cparams}, ENC, DEC_IN, DEC_TGT, task_id, enable_dropout=False,
+        mutable=["intermediates"],
+    )
+    probs = state["intermediates"]["decoder"]["layers_0"]["self_attention"]["attention_weights"][0]
+    assert probs.shape == (2, 2, 5, 2 + 5)
+    # The first (causal) query sees both prefix positions and itself only.
+    assert np.all(probs[:, :, 0, :2] > 0)
+    np.testing.assert_allclose(probs[:, :, 0, :3].sum(-1), 1.0, rtol=1e-5)
+    assert np.all(probs[:, :, 0, 3:] < 1e-6)
+    # Cached decoding agrees with the full forward pass, prefixes included.
+    full = cond.apply({"params": cparams}, ENC, DEC_IN, None, task_id, enable_dropout=False)
+    encoded = cond.apply({"params": cparams}, ENC, task_id, enable_dropout=False,
+                         method=t5.Transformer.encode)
+    kw = dict(enable_dropout=False, decode=True, max_decode_length=5, mutable=["cache"],
+              method=t5.Transformer.decode)
+    _, created = cond.apply({"params": cparams}, encoded, ENC, DEC_IN, None, task_id, **kw)
+    cache = created["cache"]
+    cache = jax.tree.map(jnp.zeros_like, cache)
+    for i in range(5):
+        step, mutated = cond.apply({"params": cparams, "cache": cache}, encoded, ENC,
+                                   DEC_IN[:, i : i + 1], None, task_id, **kw)
+        cache = mutated["cache"]
+        np.testing.assert_allclose(step[:, 0], full[:, i], atol=1e-5)
+
+
+class _PromptEncoder(t5.Encoder):
+    def input_prompt(self, x, task_id):
+        table = self.param("prompt", nn.initializers.normal(1.0), (3, 4, x.shape[-1]))
+        return table[task_id]
+
+
+def test_encoder_input_prompt_is_prepended(tiny):
+    cond = t5.Transformer(TINY, encoder_cls=_PromptEncoder)
+    task_id = jnp.array([1, 2])
+    variables = cond.init(jax.random.key(2), ENC, DEC_IN, DEC_TGT, task_id, enable_dropout=False)
+    encoded = cond.apply(variables, ENC, task_id, enable_dropout=False, method=t5.Transformer.encode)
+    assert encoded.shape == (2, 4 + 6, 32)
+    logits = cond.apply(variables, ENC, DEC_IN, DEC_TGT, task_id, enable_dropout=False)
+    other = cond.apply(variables, ENC, DEC_IN, DEC_TGT, jnp.array([0, 2]), enable_dropout=False)
+    assert not np.allclose(logits[0], other[0])
+    np.testing.assert_allclose(logits[1], other[1], atol=1e-6)
+
+
+def test_sharded_forward_on_2x4_mesh(tiny):
+    module, params = tiny
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    mesh = partitioning.create_mesh(num_partitions=2)
+    rules = partitioning.standard_logical_axis_rules()
+    boxed = module.init(jax.random.key(0), ENC, DEC_IN, DEC_TGT, enable_dropout=False)
+    shardings = partitioning.abstract_shardings(boxed, mesh, rules)["params"]
+    sharded = jax.device_put(params, shardings)
+    assert sharded["decoder"]["logits_dense"]["kernel"].sharding.spec == (None, "model")
+    batch = jnp.concatenate([ENC] * 4), jnp.concatenate([DEC_IN] * 4), jnp.concatenate([DEC_TGT] * 4)
+
+    @jax.jit
+    def fwd(p, e, d, t):
+        return module.apply({"params": p}, e, d, t, enable_dropout=False)
+
+    with mesh, nn.logical_axis_rules(rules):
+        out = fwd(sharded, *batch)
+    np.testing.assert_allclose(out[:2], _logits(module, params), atol=1e-5)

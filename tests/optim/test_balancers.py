@@ -1,0 +1,138 @@
+"""Hand-computed two-step tests of every baseline transformation, under jax.jit.
+
+Two tasks, one parameter: g0 = [1, 0] (target), g1 = [-1, 1]; Gram [[1, -1], [-1, 2]].
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ktx.optim as ko
+
+G = {"w": jnp.array([[1.0, 0.0], [-1.0, 1.0]])}
+PARAMS = {"w": jnp.zeros(2)}
+
+
+def _run(tx, steps, losses=None):
+    state = tx.init(PARAMS)
+    update = jax.jit(tx.update)
+    outs = []
+    for i, g in enumerate(steps):
+        kw = {} if losses is None else {"task_losses": jnp.asarray(losses[i], jnp.float32)}
+        out, state = update(g, state, PARAMS, **kw)
+        outs.append(np.asarray(out["w"]))
+    return outs, state
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_weightings():
+    _close(_run(ko.single_loss(), [G, G])[0][1], [1.0, 0.0])
+    _close(_run(ko.vanilla_multi(), [G, G])[0][1], [0.0, 1.0])
+    _close(_run(ko.fixed_weights([2.0, 0.5]), [G, G])[0][1], [1.5, 0.5])
+    with pytest.raises(ValueError, match="2 weights"):
+        _run(ko.fixed_weights([1.0, 1.0]), [{"w": jnp.ones((3, 2))}])
+
+
+def test_pcgrad():
+    # g0' = g0 + 0.5 g1 = [0.5, 0.5]; g1' = g1 + g0 = [0, 1]; sum [0.5, 1.5].
+    outs, _ = _run(ko.pcgrad(shuffle=False), [G, G])
+    _close(outs[0], [0.5, 1.5])
+    _close(outs[1], [0.5, 1.5])
+    # With two tasks the projection order does not matter.
+    _close(_run(ko.pcgrad(seed=3), [G, G])[0][1], [0.5, 1.5])
+    # Target-anchored: only g1 is projected: g0 + (g1 + g0) = [1, 1].
+    _close(_run(ko.pcgrad(anchor=0), [G, G])[0][1], [1.0, 1.0])
+    # No conflict: plain sum.
+    agree = {"w": jnp.array([[1.0, 0.0], [1.0, 1.0]])}
+    _close(_run(ko.pcgrad(shuffle=False), [agree, agree])[0][1], [2.0, 1.0])
+
+
+def test_pcgrad_weights_three_tasks():
+    g = np.array([[1.0, 0.0], [-1.0, 1.0], [0.0, -1.0]])
+    w = ko.pcgrad_weights(jnp.asarray(g @ g.T, jnp.float32))
+    # Sequential projections in order 0, 1, 2 for each task, done by hand in numpy.
+    want = np.zeros(2)
+    for i in range(3):
+        gi = g[i].copy()
+        for j in range(3):
+            d = gi @ g[j]
+            if d < 0:
+                gi = gi - d / (g[j] @ g[j]) * g[j]
+        want += gi
+    _close(np.asarray(w) @ g, want)
+
+
+def test_grad_similarity():
+    agree = {"w": jnp.array([[1.0, 0.0], [1.0, 1.0]])}
+    outs, _ = _run(ko.grad_similarity(), [G, agree])
+    _close(outs[0], [1.0, 0.0])  # cos = -1/sqrt(2) < 0: aux dropped
+    _close(outs[1], [2.0, 1.0])
+    outs, _ = _run(ko.grad_similarity(weighted=True), [G, agree])
+    _close(outs[1], [1.0 + 2 ** -0.5, 2 ** -0.5])
+
+
+def test_mgda():
+    # min-norm point of segment [g0, g1]: alpha = 3/5 -> [0.2, 0.4].
+    outs, _ = _run(ko.mgda(), [G, G])
+    _close(outs[1], [0.2, 0.4])
+    _close(ko.min_norm_weights(jnp.array([[1.0, -1.0], [-1.0, 2.0]])), [0.6, 0.4])
+    # l2 normalisation: unit gradients [1,0], [-1,1]/sqrt2 -> symmetric alpha on them.
+    outs, _ = _run(ko.mgda(normalization="l2"), [G])
+    u = np.array([[1.0, 0.0], [-(2 ** -0.5), 2 ** -0.5]])
+    gram = u @ u.T
+    alpha0 = (gram[1, 1] - gram[0, 1]) / (gram[0, 0] - 2 * gram[0, 1] + gram[1, 1])
+    _close(outs[0], alpha0 * np.array([1.0, 0.0]) + (1 - alpha0) * np.array([-1.0, 1.0]))
+
+
+def test_dwa():
+    losses = [[1.0, 1.0], [0.5, 1.0], [0.4, 1.0]]
+    outs, state = _run(ko.dwa(temperature=1.0, num_tasks=2), [G, G, G], losses)
+    _close(outs[0], [0.0, 1.0])
+    _close(outs[1], [0.0, 1.0])
+    w = 2 * np.exp([0.5, 1.0]) / np.exp([0.5, 1.0]).sum()
+    _close(outs[2], w[0] * np.array([1.0, 0.0]) + w[1] * np.array([-1.0, 1.0]))
+    assert int(state.count) == 3
+
+
+def test_uncertainty():
+    tx = ko.uncertainty(optimizer=optax.sgd(1.0), num_tasks=2)
+    outs, state = _run(tx, [G, G], [[1.0, 3.0], [1.0, 3.0]])
+    _close(outs[0], [0.0, 0.5])  # s = 0: weights 0.5
+    # d/ds = 0.5 - 0.5 L = [0, -1] -> s = [0, 1] -> weights [0.5, 0.5 e^-1]
+    w1 = 0.5 * np.exp(-1.0)
+    _close(outs[1], [0.5 - w1, w1])
+    # second step: d/ds = [0, 0.5 - 1.5 e^-1]
+    _close(state.log_vars, [0.0, 1.0 - (0.5 - 1.5 * np.exp(-1.0))])
+
+
+def test_gradnorm():
+    tx = ko.gradnorm(alpha=1.5, optimizer=optax.sgd(0.1), num_tasks=2)
+    outs, _ = _run(tx, [G, G], [[1.0, 1.0], [1.0, 1.0]])
+    _close(outs[0], [0.0, 1.0])
+    # G = [1, sqrt2] vs target mean(G): grad_w = [-1, sqrt2] -> w = [1.1, 1 - 0.1 sqrt2],
+    # renormalised to sum 2.
+    w = np.array([1.1, 1 - 0.1 * np.sqrt(2)])
+    w = 2 * w / w.sum()
+    _close(outs[1], w[0] * np.array([1.0, 0.0]) + w[1] * np.array([-1.0, 1.0]))
+
+
+def test_olaux():
+    outs, state = _run(ko.olaux(learning_rate=0.5, horizon=1, num_tasks=2), [G, G])
+    _close(outs[0], [0.0, 1.0])
+    _close(outs[1], [0.5, 0.5])  # w_aux = 1 + 0.5 * (g0 . g1) = 0.5
+    outs, state = _run(ko.olaux(learning_rate=0.5, horizon=2, num_tasks=2), [G, G, G])
+    _close(outs[1], [0.0, 1.0])  # not updated before N = 2 steps
+    _close(outs[2], [2.0, -0.0])  # w_aux = 1 + 0.5 * (-2) = 0
+
+
+def test_mtadam():
+    # Adam's first steps are sign-like: h0 = [1, 0], h1 = g1 / sqrt2 -> [0, 1] per step.
+    outs, state = _run(ko.mtadam(num_tasks=2), [G, G])
+    _close(outs[0], [0.0, 1.0])
+    _close(outs[1], [0.0, 1.0])
+    np.testing.assert_allclose(state.norms["w"], [0.19, 0.19 * np.sqrt(2)], rtol=1e-5)

@@ -1,0 +1,264 @@
+"""Trainer: sharded state, pure steps, microbatching, freezing, NaN stop, run outputs.
+
+A tiny two-task MLP classifier (`ToyModel`) and a step-deterministic input (`ToyInput`)
+exercise the trainer without the T5 model; the T5 equivalence test is in
+`test_partitioning.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ktx import optimizers, partitioning, trainer as trainer_lib
+from ktx.models.base import BaseModel, segment_sum_by_task
+from ktx.summaries import read_metrics
+from ktx.train import NonFiniteLossError, train
+
+
+class _Mlp(nn.Module):
+    hidden: int = 8
+    classes: int = 4
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.Dense(
+            self.hidden,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.lecun_normal(), (partitioning.EMBED, partitioning.MLP)
+            ),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (partitioning.MLP,)),
+        )(x)
+        h = nn.relu(h)
+        h = nn.Dropout(self.dropout, deterministic=not train)(h)
+        return nn.Dense(
+            self.classes,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.lecun_normal(), (partitioning.MLP, partitioning.VOCAB)
+            ),
+            use_bias=False,
+        )(h)
+
+
+class ToyModel(BaseModel):
+    """Features: `x` float32 [B, D], `label` int32 [B], `task_id` int32 [B]."""
+
+    def __init__(self, num_tasks: int = 2, dim: int = 6, hidden: int = 8, dropout: float = 0.0,
+                 loss_normalization: str = "global", nan_after: float | None = None):
+        self.num_tasks = num_tasks
+        self.dim = dim
+        self.loss_normalization = loss_normalization
+        self.module = _Mlp(hidden=hidden, dropout=dropout)
+        self.nan_after = nan_after
+
+    def init_variables(self, rng, batch):
+        return self.module.init(rng, batch["x"], False)
+
+    def input_spec(self, batch_size, feature_lengths):
+        return {
+            "x": jax.ShapeDtypeStruct((batch_size, self.dim), jnp.float32),
+            "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+            "task_id": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        }
+
+    def task_weights(self, batch):
+        return segment_sum_by_task(jnp.ones(batch["label"].shape), batch["task_id"], self.num_tasks)
+
+    def loss_sums(self, params, batch, rng, train):
+        rngs = {"dropout": rng} if rng is not None else {}
+        logits = self.module.apply({"params": params}, batch["x"], train, rngs=rngs)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        if self.nan_after is not None:
+            # Blows up once the input scale passes `nan_after` (ToyInput grows it).
+            losses = jnp.where(jnp.abs(batch["x"]).max() > self.nan_after, jnp.nan, losses)
+        correct = (logits.argmax(-1) == batch["label"]).astype(jnp.float32)
+        t = batch["task_id"]
+        aux = {
+            "loss": segment_sum_by_task(losses, t, self.num_tasks),
+            "accuracy": segment_sum_by_task(correct, t, self.num_tasks),
+            "weight": segment_sum_by_task(jnp.ones_like(losses), t, self.num_tasks),
+        }
+        return aux["loss"], aux
+
+
+class ToyInput:
+    """Interface §3: task-partitioned batches, a pure function of (seed, step)."""
+
+    task_names = ("toy_a_v001", "toy_b_v001")
+    num_tasks = 2
+
+    def __init__(self, batch_size=8, dim=6, seed=0, counts=(5, 3), grow_after=None):
+        self.batch_size, self.dim, self.seed, self.counts = batch_size, dim, seed, counts
+        self.grow_after = grow_after
+        w = np.random.default_rng(123).normal(size=(2, dim, 4))
+        self._w = w
+
+    def get_batch(self, step):
+        rng = np.random.default_rng((self.seed, step))
+        x = rng.normal(size=(self.batch_size, self.dim)).astype(np.float32)
+        if self.grow_after is not None and step >= self.grow_after:
+            x *= 1000.0
+        task = np.repeat(np.arange(2), self.counts).astype(np.int32)
+        label = np.einsum("bd,bdk->bk", x, self._w[task]).argmax(-1).astype(np.int32)
+        return {"x": x, "label": label, "task_id": task}
+
+    def task_counts(self, step):
+        return self.counts
+
+    def eval_batches(self, task_name, split, batch_size):
+        t = self.task_names.index(task_name)
+        for i in range(2):
+            b = self.get_batch(10_000 + i)
+            b["task_id"] = np.full_like(b["task_id"], t)
+            yield b, batch_size
+
+
+def _run_steps(trainer, n, inp, seed=0):
+    state = trainer.init_state(jax.random.key(seed), inp.get_batch(0))
+    losses = []
+    for step in range(n):
+        state, m = trainer.train_step(state, inp.get_batch(step), jax.random.key(1))
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def test_state_is_sharded_by_logical_axes():
+    mesh = partitioning.create_mesh(4)  # 2 x 4
+    tr = trainer_lib.Trainer(ToyModel(), optax.adam(1e-2), mesh=mesh)
+    state = tr.init_state(jax.random.key(0), ToyInput().get_batch(0))
+    kernel = state.params["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    # Adam moments follow their parameter; the step counter is replicated.
+    mu = state.opt_state[0].mu["Dense_0"]["kernel"]
+    assert mu.sharding.spec == kernel.sharding.spec
+    assert state.opt_state[0].count.sharding.spec == jax.sharding.PartitionSpec()
+    assert int(state.step) == 0
+
+
+def test_train_step_matches_manual_sgd_and_folds_rng_with_step():
+    inp = ToyInput()
+    tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1))
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    params0 = jax.device_get(state.params)
+    batch = inp.get_batch(0)
+    model = ToyModel()
+    expected_loss, _ = model.loss_fn(params0, batch)
+    grads = jax.grad(lambda p: model.loss_fn(p, batch)[0])(params0)
+    state, m = tr.train_step(state, batch, jax.random.key(1))
+    np.testing.assert_allclose(float(m["loss"]), float(expected_loss), rtol=1e-5)
+    manual = jax.tree.map(lambda p, g: p - 0.1 * g, params0, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), state.params, manual)
+    assert int(state.step) == 1
+    # Per-task metrics: rows per task and losses summing to the total.
+    np.testing.assert_array_equal(np.asarray(m["examples"]), [5, 3])
+    np.testing.assert_allclose(float(m["task_losses"].sum()), float(m["loss"]), rtol=1e-6)
+
+
+def test_dropout_key_depends_on_step_only():
+    inp = ToyInput()
+    model = ToyModel(dropout=0.5)
+    tr = trainer_lib.Trainer(model, optax.sgd(0.0))
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    batch = inp.get_batch(0)
+    s1, m1 = tr.train_step(state.replace(step=jnp.int32(3)), batch, jax.random.key(1))
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    s2, m2 = tr.train_step(state.replace(step=jnp.int32(3)), batch, jax.random.key(1))
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    s3, m3 = tr.train_step(state.replace(step=jnp.int32(4)), batch, jax.random.key(1))
+    assert float(m1["loss"]) == float(m2["loss"])
+    assert float(m1["loss"]) != float(m3["loss"])
+
+
+@pytest.mark.parametrize("normalization", ["global", "per_task"])
+def test_microbatches_equal_full_batch(normalization):
+    inp = ToyInput(batch_size=8, counts=(5, 3))
+    full = trainer_lib.Trainer(ToyModel(loss_normalization=normalization), optax.sgd(0.5))
+    micro = trainer_lib.Trainer(
+        ToyModel(loss_normalization=normalization), optax.sgd(0.5), num_microbatches=4
+    )
+    s_full, l_full = _run_steps(full, 3, inp)
+    s_micro, l_micro = _run_steps(micro, 3, inp)
+    np.testing.assert_allclose(l_full, l_micro, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_full.params, s_micro.params)
+
+
+def test_microbatches_must_divide_batch():
+    tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.5), num_microbatches=3)
+    inp = ToyInput()
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    with pytest.raises(ValueError, match="num_microbatches=3 must divide"):
+        tr.train_step(state, inp.get_batch(0), jax.random.key(1))
+
+
+def test_frozen_params_do_not_move():
+    tx = optimizers.freeze(optax.adam(1e-1), frozen=[r"Dense_0/.*"])
+    tr = trainer_lib.Trainer(ToyModel(), tx)
+    inp = ToyInput()
+    state0 = jax.device_get(tr.init_state(jax.random.key(0), inp.get_batch(0)).params)
+    state, _ = _run_steps(tr, 2, inp)
+    np.testing.assert_array_equal(state.params["Dense_0"]["kernel"], state0["Dense_0"]["kernel"])
+    assert not np.allclose(state.params["Dense_1"]["kernel"], state0["Dense_1"]["kernel"])
+
+
+def test_eval_step_sums_per_task():
+    inp = ToyInput()
+    tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1))
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    out = tr.eval_step(state.params, inp.get_batch(0))
+    np.testing.assert_array_equal(np.asarray(out["weight"]), [5, 3])
+    np.testing.assert_allclose(np.asarray(out["loss_sum"]), np.asarray(out["loss"]))
+
+
+def test_batch_not_divisible_by_data_axis():
+    tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), mesh=partitioning.create_mesh(1))
+    inp = ToyInput(batch_size=6, counts=(3, 3))
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    with pytest.raises(ValueError, match="divisible by the data-parallel size 8"):
+        tr.train_step(state, inp.get_batch(0), jax.random.key(1))
+
+
+def test_train_writes_outputs_and_resumes(tmp_path):
+    kwargs = dict(
+        model=ToyModel(), train_input=ToyInput(), model_dir=tmp_path, optimizer=optax.adam(1e-2),
+        schedule=optimizers.constant_schedule(1e-2), log_period=2, checkpoint_period=2,
+        eval_period=4, eval_batch_size=8,
+    )
+    state4 = train(train_steps=4, **kwargs)
+    records = read_metrics(tmp_path)
+    train_rows = [r for r in records if r["split"] == "train"]
+    assert {(r["step"], r["task"]) for r in train_rows} == {
+        (s, t) for s in (2, 4) for t in ("toy_a_v001", "toy_b_v001", "all")
+    }
+    last_all = [r for r in train_rows if r["task"] == "all" and r["step"] == 4][0]
+    for key in ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_s",
+                "examples_per_s", "input_wait_fraction"):
+        assert key in last_all and math.isfinite(last_all[key]), key
+    assert last_all["learning_rate"] == pytest.approx(1e-2)
+    val = [r for r in records if r["split"] == "validation"]
+    assert {r["task"] for r in val} >= {"toy_a_v001", "toy_b_v001"}
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    # Continue to 6 steps: resumes at 4, equals a straight 6-step run.
+    state6 = train(train_steps=6, **kwargs)
+    straight = train(train_steps=6, **{**kwargs, "model_dir": tmp_path / "straight"})
+    assert int(state6.step) == 6
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7), state6.params, straight.params)
+    assert not np.allclose(state4.params["Dense_1"]["kernel"], state6.params["Dense_1"]["kernel"])
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    with pytest.raises(NonFiniteLossError, match="at step 5 .*Last good checkpoint: step 4"):
+        train(
+            model=ToyModel(nan_after=100.0), train_input=ToyInput(grow_after=5), model_dir=tmp_path,
+            optimizer=optax.sgd(0.1), train_steps=10, log_period=3, checkpoint_period=2,
+        )
+    from ktx.checkpoints import CheckpointManager
+
+    assert CheckpointManager(tmp_path).all_steps() == [2, 4]
