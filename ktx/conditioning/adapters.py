@@ -76,7 +76,8 @@ class TaskAdapters(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self) -> AdapterWeights:
+    def __call__(self, layer: int | None = None, position: int | None = None) -> AdapterWeights:
+        """All adapters (lead `[M, A, T]`), or with `layer`, `position` that slot's (`[T]`)."""
         check_positive(
             "TaskAdapters",
             num_tasks=self.num_tasks,
@@ -99,9 +100,18 @@ class TaskAdapters(nn.Module):
             1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1
         )
         up_init = nn.initializers.truncated_normal(stddev=self.up_init_stddev)
-        return AdapterWeights(
+        weights = AdapterWeights(
             down=param("down", down_init, (d, b), (P.EMBED, P.HYPER_BOTTLENECK)),
             down_bias=param("down_bias", nn.initializers.zeros, (b,), (P.HYPER_BOTTLENECK,)),
             up=param("up", up_init, (b, d), (P.HYPER_BOTTLENECK, P.EMBED)),
             up_bias=param("up_bias", nn.initializers.zeros, (d,), (P.EMBED,)),
         )
+        if layer is None and position is None:
+            return weights
+        if not (isinstance(layer, int) and 0 <= layer < self.num_layers
+                and isinstance(position, int) and 0 <= position < self.num_positions):
+            raise ValueError(
+                f"TaskAdapters: layer={layer!r}, position={position!r}; accepted: both None, "
+                f"or ints in [0, {self.num_layers}) and [0, {self.num_positions})"
+            )
+        return weights.at(layer, position)

@@ -116,8 +116,8 @@ class HyperPrompt(nn.Module):
             name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype
         )
 
-    def _local_weights(self, which: str) -> tuple[jax.Array, jax.Array]:
-        """Down `[M, T?, d, b]` and up `[M, T?, b, H, Dh]` (T axis for sep/global)."""
+    def _local_weights(self, which: str, layers: slice) -> tuple[jax.Array, jax.Array]:
+        """Down `[M', T|1, d, b]` and up `[M', T|1, b, H, Dh]` of the layers `layers`."""
         M, T, d, b = self.num_layers, self.num_tasks, self.emb_dim, self.bottleneck_dim
         H, Dh = self.num_heads, self.head_dim
         if self.variant == "share":
@@ -130,7 +130,7 @@ class HyperPrompt(nn.Module):
                 (M, b, H, Dh),
                 (P.LAYERS, P.HYPER_BOTTLENECK, P.HEADS, P.KV),
             )
-            return down[:, None], up[:, None]
+            return down[layers, None], up[layers, None]
         if self.variant == "sep":
             down = self._param(
                 f"{which}_down",
@@ -144,17 +144,18 @@ class HyperPrompt(nn.Module):
                 (M, T, b, H, Dh),
                 (P.LAYERS, P.TASKS, P.HYPER_BOTTLENECK, P.HEADS, P.KV),
             )
-            return down, up
+            return down[layers], up[layers]
         raise AssertionError(self.variant)
 
-    def _global_weights(self) -> dict[str, jax.Array]:
+    def _global_weights(self, layers: slice) -> dict[str, jax.Array]:
         """Local hypernetwork weights generated per (layer, task) by `H_k`, `H_v`."""
         M, T, d, b = self.num_layers, self.num_tasks, self.emb_dim, self.bottleneck_dim
         H, Dh, t = self.num_heads, self.head_dim, self.layer_task_dim
         k_task = TaskEmbedding(T, self.task_embed_dim, param_dtype=self.param_dtype,
                                name="task_embedding")()  # [T, t']
         z_layer = LayerEmbedding(M, self.task_embed_dim, param_dtype=self.param_dtype,
-                                 name="layer_embedding")()  # [M, t']
+                                 name="layer_embedding")()[layers]  # [M', t']
+        M = z_layer.shape[0]
         pairs = jnp.concatenate(
             [
                 jnp.broadcast_to(k_task[None], (M, T, self.task_embed_dim)),
@@ -187,9 +188,18 @@ class HyperPrompt(nn.Module):
         return out
 
     @nn.compact
-    def __call__(self) -> tuple[jax.Array, jax.Array]:
-        """Returns `(key_prompts, value_prompts)`, each `[M, T, l, heads, head_dim]`."""
+    def __call__(self, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """Returns `(key_prompts, value_prompts)`, each `[M, T, l, heads, head_dim]`.
+
+        With `layer` (a Python int), only that layer's prompts, `[T, l, heads, head_dim]`
+        each (what one self-attention layer needs; every task computed once).
+        """
         self._check()
+        if layer is not None and not (isinstance(layer, int) and 0 <= layer < self.num_layers):
+            raise ValueError(
+                f"HyperPrompt: layer={layer!r}; accepted: an int in [0, {self.num_layers})"
+            )
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
         prompts = self._param(
             "prompts",
             nn.initializers.normal(stddev=1.0),
@@ -197,11 +207,11 @@ class HyperPrompt(nn.Module):
             (P.TASKS, P.PROMPT_LENGTH, P.EMBED),
         ).astype(self.dtype)  # [T, l, d]
         if self.variant == "global":
-            weights = self._global_weights()
+            weights = self._global_weights(layers)
         else:
             weights = {}
             for which in ("key", "value"):
-                down, up = self._local_weights(which)
+                down, up = self._local_weights(which, layers)
                 weights[f"{which}_down"] = down
                 weights[f"{which}_up"] = up
         results = []
@@ -216,4 +226,6 @@ class HyperPrompt(nn.Module):
             else:
                 kv = jnp.einsum("mtlb,mbhk->mtlhk", hidden, up[:, 0])
             results.append(kv)  # [M, T, l, H, Dh]
+        if layer is not None:
+            return results[0][0], results[1][0]
         return results[0], results[1]

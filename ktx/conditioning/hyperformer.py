@@ -69,7 +69,11 @@ class HyperFormer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self) -> tuple[AdapterWeights, jax.Array | None]:
+    def __call__(
+        self, layer: int | None = None, position: int | None = None
+    ) -> tuple[AdapterWeights, jax.Array | None]:
+        """All `(AdapterWeights [M, A, T, ...], scales [M, A, T, d] | None)`, or with
+        `layer` and `position` (Python ints) that one slot's, lead `[T]`."""
         M, A, T = self.num_layers, self.num_positions, self.num_tasks
         d, b, t, tp = self.emb_dim, self.bottleneck_dim, self.projected_dim, self.task_embed_dim
         check_positive(
@@ -77,32 +81,46 @@ class HyperFormer(nn.Module):
             bottleneck_dim=b, task_embed_dim=tp, task_hidden_dim=self.task_hidden_dim,
             projected_dim=t,
         )
+        one = layer is not None
+        if one != (position is not None) or (
+            one and not (isinstance(layer, int) and 0 <= layer < M
+                         and isinstance(position, int) and 0 <= position < A)
+        ):
+            raise ValueError(
+                f"HyperFormer: layer={layer!r}, position={position!r}; accepted: both None, "
+                f"or ints in [0, {M}) and [0, {A})"
+            )
+        ms = slice(layer, layer + 1) if one else slice(None)
+        as_ = slice(position, position + 1) if one else slice(None)
+        m_n, a_n = (1, 1) if one else (M, A)
         z = TaskEmbedding(T, tp, param_dtype=self.param_dtype, name="task_embedding")()
         projector = TaskProjector(
             self.task_hidden_dim, t, use_bias=True, dtype=self.dtype,
             param_dtype=self.param_dtype, name="task_projector",
         )
         if self.shared:
-            layer = LayerEmbedding(M, tp, param_dtype=self.param_dtype, name="layer_embedding")()
-            position = LayerEmbedding(
+            layer_emb = LayerEmbedding(
+                M, tp, param_dtype=self.param_dtype, name="layer_embedding"
+            )()[ms]
+            position_emb = LayerEmbedding(
                 A, tp, param_dtype=self.param_dtype, name="position_embedding"
-            )()
+            )()[as_]
             x = jnp.concatenate(
                 [
-                    jnp.broadcast_to(z[None, None], (M, A, T, tp)),
-                    jnp.broadcast_to(layer[:, None, None], (M, A, T, tp)),
-                    jnp.broadcast_to(position[None, :, None], (M, A, T, tp)),
+                    jnp.broadcast_to(z[None, None], (m_n, a_n, T, tp)),
+                    jnp.broadcast_to(layer_emb[:, None, None], (m_n, a_n, T, tp)),
+                    jnp.broadcast_to(position_emb[None, :, None], (m_n, a_n, T, tp)),
                 ],
                 axis=-1,
             ).astype(self.dtype)
-            embedding = projector(x)  # [M, A, T, t]
+            embedding = projector(x)  # [M', A', T, t]
             lead, lead_axes = (), ()
         else:
-            embedding = jnp.broadcast_to(projector(z.astype(self.dtype)), (M, A, T, t))
+            embedding = jnp.broadcast_to(projector(z.astype(self.dtype)), (m_n, a_n, T, t))
             lead, lead_axes = (M, A), (P.LAYERS, None)
 
         def generate(name, out_shape, out_axes, scale, bias_init=nn.initializers.zeros):
-            """`W I + c` for every (layer, position, task): `[M, A, T, *out_shape]`."""
+            """`W I + c` for the selected (layer, position) slots: `[M', A', T, *out]`."""
             n_out = len(out_shape)
             kernel = self.param(
                 f"{name}_generator",
@@ -127,8 +145,10 @@ class HyperFormer(nn.Module):
                 w = jnp.einsum(f"matx,x{letters}->mat{letters}", embedding, kernel)
                 c = bias[None, None, None]
             else:
-                w = jnp.einsum(f"matx,max{letters}->mat{letters}", embedding, kernel)
-                c = bias[:, :, None]
+                w = jnp.einsum(
+                    f"matx,max{letters}->mat{letters}", embedding, kernel[ms, as_]
+                )
+                c = bias[ms, as_][:, :, None]
             return w * scale + c
 
         weights = AdapterWeights(
@@ -142,4 +162,7 @@ class HyperFormer(nn.Module):
             scales = generate(
                 "layer_norm_scale", (d,), (P.EMBED,), self.up_scale, nn.initializers.ones
             )
+        if one:
+            weights = weights.at(0, 0)
+            scales = None if scales is None else scales[0, 0]
         return weights, scales

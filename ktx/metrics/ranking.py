@@ -152,8 +152,8 @@ def full_ranking(
     heldout: np.ndarray,
     exclude: Sequence[np.ndarray] = (),
     ks: Sequence[int] = (10, 20),
-    user_chunk: int = 64,
-    item_block: int | None = 4096,
+    user_chunk: int = 32,
+    item_block: int | None = 256,
     stats: dict | None = None,
 ) -> dict[str, float]:
     """Ranks all items for every user with held-out items; mean NDCG/Recall/Precision@K.

@@ -268,8 +268,9 @@ class RecsysModel(BaseModel):
         m_last = self.mlp_dims[-1]
         return {
             "bottom0": u @ w0[:d] + params["bottom"]["layer_0"]["bias"],  # [U, m0]
-            # (u * i) @ W_mf = i @ (u[:, None] * W_mf): one [d, h0] matrix per user.
-            "mf": u[:, :, None] * tw[m_last:][None],  # [U, d, h0]
+            # (u * i) @ W_mf = i @ (u[:, None] * W_mf): one [d, h0] matrix per user, laid
+            # out as one [d, U * h0] matrix so that all users cost a single GEMM.
+            "mf": (u[:, :, None] * tw[m_last:][None]).transpose(1, 0, 2).reshape(d, -1),
         }
 
     def rank_item_part(self, params: Any) -> dict[str, jax.Array]:
@@ -281,20 +282,24 @@ class RecsysModel(BaseModel):
     def rank_scores(
         self, params: Any, user_part: Mapping[str, jax.Array], item_part: Mapping[str, jax.Array]
     ) -> jax.Array:
-        """Target-task logits `[U, N]` of every (user, item) pair from the two parts."""
-        h = nn.relu(user_part["bottom0"][:, None, :] + item_part["bottom0"][None])  # [U, N, m0]
+        """Target-task logits `[U, N]` of every (user, item) pair from the two parts.
+
+        Computed item-major (`[N, U, ...]`) so the matrix-factorization term is one GEMM.
+        """
+        n = item_part["emb"].shape[0]
+        h = nn.relu(item_part["bottom0"][:, None, :] + user_part["bottom0"][None])  # [N, U, m0]
+        n_users = user_part["bottom0"].shape[0]
         for k in range(1, len(self.mlp_dims)):
             layer = params["bottom"][f"layer_{k}"]
             h = nn.relu(h @ layer["kernel"] + layer["bias"])
         t = self.target_task
         towers = params["towers"]
         m_last = self.mlp_dims[-1]
-        g = h @ towers["layer_0_kernel"][t][:m_last] + towers["layer_0_bias"][t]
-        g = g + jnp.einsum("nd,udh->unh", item_part["emb"], user_part["mf"])
-        g = nn.relu(g)
+        mf = (item_part["emb"] @ user_part["mf"]).reshape(n, n_users, -1)  # [N, U, h0]
+        g = nn.relu(h @ towers["layer_0_kernel"][t][:m_last] + mf + towers["layer_0_bias"][t])
         for k in range(1, len(self.tower_dims)):
             g = nn.relu(g @ towers[f"layer_{k}_kernel"][t] + towers[f"layer_{k}_bias"][t])
-        return g @ towers["out_kernel"][t] + towers["out_bias"][t]
+        return (g @ towers["out_kernel"][t] + towers["out_bias"][t]).T  # [U, N]
 
     def rank_flops_per_pair(self) -> int:
         """Multiply-adds x2 that `rank_scores` spends per (user, item) pair."""

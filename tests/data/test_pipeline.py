@@ -177,3 +177,15 @@ def test_errors():
         MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=4, split="test")
     with pytest.raises(ValueError, match="step=-1"):
         MultiTaskInput("ktx_test_zeta", LENGTHS, batch_size=4).get_batch(-1)
+
+
+def test_replace_shares_the_cache(base):
+    bigger = base.replace(batch_size=8, mixing="equal")
+    assert bigger.task_counts(0) == (4, 4) and base.task_counts(0) == (3, 1)
+    assert bigger._train is base._train  # no data re-read
+    halves = [base.replace(process_index=i, process_count=2).get_batch(2) for i in range(2)]
+    np.testing.assert_array_equal(
+        np.concatenate([h["encoder_input_tokens"] for h in halves]), base.get_batch(2)["encoder_input_tokens"]
+    )
+    with pytest.raises(ValueError, match="layout="):
+        base.replace(layout="bad")

@@ -27,8 +27,16 @@ def tiny():
     return module, nn.unbox(variables)["params"]
 
 
+_STATIC = ("enable_dropout", "decode", "max_decode_length", "mutable", "method")
+
+
+def _apply(module):
+    """A jitted `module.apply` (eager op-by-op dispatch is much slower on CPU)."""
+    return jax.jit(module.apply, static_argnames=_STATIC)
+
+
 def _logits(module, params, enc=ENC, dec_in=DEC_IN, tgt=DEC_TGT, **kw):
-    return module.apply({"params": params}, enc, dec_in, tgt, enable_dropout=False, **kw)
+    return _apply(module)({"params": params}, enc, dec_in, tgt, enable_dropout=False, **kw)
 
 
 def test_rms_norm_hand_values():
@@ -148,14 +156,14 @@ def test_config_validation():
 def test_incremental_decode_matches_full_forward(tiny):
     module, params = tiny
     full = _logits(module, params, tgt=None)
-    encoded = module.apply({"params": params}, ENC, enable_dropout=False, method=t5.Transformer.encode)
+    encoded = _apply(module)({"params": params}, ENC, enable_dropout=False, method=t5.Transformer.encode)
     length = DEC_IN.shape[1]
 
     def step(ids, cache):
         variables = {"params": params} if cache is None else {"params": params, "cache": cache}
-        return module.apply(
+        return _apply(module)(
             variables, encoded, ENC, ids, enable_dropout=False, decode=True,
-            max_decode_length=length, mutable=["cache"], method=t5.Transformer.decode,
+            max_decode_length=length, mutable=("cache",), method=t5.Transformer.decode,
         )
 
     _, created = step(DEC_IN, None)
@@ -170,7 +178,7 @@ class _PrefixAdapterLayer(t5.DecoderLayer):
     """Test subclass: constant per-example prefixes, an additive adapter."""
 
     def attention_prefix(self, x, task_id, *, name):
-        table = self.param(f"{name}_prefix", nn.initializers.normal(1.0), (3, 2, 2, 16))
+        table = self.param(f"{name}_prefix", nn.initializers.normal(1.0), (3, 2, 2, 2, 16))
         kv = table[task_id]  # [B, P=2, 2, H, D]
         return kv[:, :, 0], kv[:, :, 1]
 
@@ -189,9 +197,9 @@ def test_hooks_prefix_and_adapter_with_decode_cache(tiny):
     # The plain parameters are unchanged in structure.
     plain_keys = set(jax.tree_util.tree_structure(params).node_data()[1])
     assert plain_keys <= set(cparams)
-    logits, state = cond.apply(
+    logits, state = _apply(cond)(
         {"params": cparams}, ENC, DEC_IN, DEC_TGT, task_id, enable_dropout=False,
-        mutable=["intermediates"],
+        mutable=("intermediates",),
     )
     probs = state["intermediates"]["decoder"]["layers_0"]["self_attention"]["attention_weights"][0]
     assert probs.shape == (2, 2, 5, 2 + 5)
@@ -200,16 +208,16 @@ def test_hooks_prefix_and_adapter_with_decode_cache(tiny):
     np.testing.assert_allclose(probs[:, :, 0, :3].sum(-1), 1.0, rtol=1e-5)
     assert np.all(probs[:, :, 0, 3:] < 1e-6)
     # Cached decoding agrees with the full forward pass, prefixes included.
-    full = cond.apply({"params": cparams}, ENC, DEC_IN, None, task_id, enable_dropout=False)
-    encoded = cond.apply({"params": cparams}, ENC, task_id, enable_dropout=False,
+    full = _apply(cond)({"params": cparams}, ENC, DEC_IN, None, task_id, enable_dropout=False)
+    encoded = _apply(cond)({"params": cparams}, ENC, task_id, enable_dropout=False,
                          method=t5.Transformer.encode)
-    kw = dict(enable_dropout=False, decode=True, max_decode_length=5, mutable=["cache"],
+    kw = dict(enable_dropout=False, decode=True, max_decode_length=5, mutable=("cache",),
               method=t5.Transformer.decode)
-    _, created = cond.apply({"params": cparams}, encoded, ENC, DEC_IN, None, task_id, **kw)
+    _, created = _apply(cond)({"params": cparams}, encoded, ENC, DEC_IN, None, task_id, **kw)
     cache = created["cache"]
     cache = jax.tree.map(jnp.zeros_like, cache)
     for i in range(5):
-        step, mutated = cond.apply({"params": cparams, "cache": cache}, encoded, ENC,
+        step, mutated = _apply(cond)({"params": cparams, "cache": cache}, encoded, ENC,
                                    DEC_IN[:, i : i + 1], None, task_id, **kw)
         cache = mutated["cache"]
         np.testing.assert_allclose(step[:, 0], full[:, i], atol=1e-5)
@@ -225,10 +233,10 @@ def test_encoder_input_prompt_is_prepended(tiny):
     cond = t5.Transformer(TINY, encoder_cls=_PromptEncoder)
     task_id = jnp.array([1, 2])
     variables = cond.init(jax.random.key(2), ENC, DEC_IN, DEC_TGT, task_id, enable_dropout=False)
-    encoded = cond.apply(variables, ENC, task_id, enable_dropout=False, method=t5.Transformer.encode)
+    encoded = _apply(cond)(variables, ENC, task_id, enable_dropout=False, method=t5.Transformer.encode)
     assert encoded.shape == (2, 4 + 6, 32)
-    logits = cond.apply(variables, ENC, DEC_IN, DEC_TGT, task_id, enable_dropout=False)
-    other = cond.apply(variables, ENC, DEC_IN, DEC_TGT, jnp.array([0, 2]), enable_dropout=False)
+    logits = _apply(cond)(variables, ENC, DEC_IN, DEC_TGT, task_id, enable_dropout=False)
+    other = _apply(cond)(variables, ENC, DEC_IN, DEC_TGT, jnp.array([0, 2]), enable_dropout=False)
     assert not np.allclose(logits[0], other[0])
     np.testing.assert_allclose(logits[1], other[1], atol=1e-6)
 
@@ -242,7 +250,9 @@ def test_sharded_forward_on_2x4_mesh(tiny):
     boxed = module.init(jax.random.key(0), ENC, DEC_IN, DEC_TGT, enable_dropout=False)
     shardings = partitioning.abstract_shardings(boxed, mesh, rules)["params"]
     sharded = jax.device_put(params, shardings)
-    assert sharded["decoder"]["logits_dense"]["kernel"].sharding.spec == (None, "model")
+    assert sharded["decoder"]["logits_dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
+        None, "model"
+    )
     batch = jnp.concatenate([ENC] * 4), jnp.concatenate([DEC_IN] * 4), jnp.concatenate([DEC_TGT] * 4)
 
     @jax.jit

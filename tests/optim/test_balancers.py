@@ -127,7 +127,7 @@ def test_olaux():
     _close(outs[1], [0.5, 0.5])  # w_aux = 1 + 0.5 * (g0 . g1) = 0.5
     outs, state = _run(ko.olaux(learning_rate=0.5, horizon=2, num_tasks=2), [G, G, G])
     _close(outs[1], [0.0, 1.0])  # not updated before N = 2 steps
-    _close(outs[2], [2.0, -0.0])  # w_aux = 1 + 0.5 * (-2) = 0
+    _close(outs[2], [1.0, 0.0])  # w_aux = 1 + 0.5 * (-2) = 0: target only
 
 
 def test_mtadam():

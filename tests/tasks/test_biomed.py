@@ -8,6 +8,7 @@ the real files in test_biomed_real_data.py.
 import json
 import logging
 
+import numpy as np
 import pytest
 import seqio
 
@@ -66,9 +67,13 @@ def _evaluate(task_name, predictions=None, split="validation"):
     )
 
     def predict_fn(ds, model_feature_lengths=None):
+        # ds yields (example index, model features); predictions follow the file order.
         if predictions is None:
-            return [(i, ex["decoder_target_tokens"]) for i, ex in enumerate(ds.as_numpy_iterator())]
-        return [(i, vocab.encode(p)) for i, p in enumerate(predictions)]
+            return [(int(i), ex["decoder_target_tokens"]) for i, ex in ds.as_numpy_iterator()]
+        encoded = [list(vocab.encode(p)) + [vocab.eos_id] for p in predictions]
+        width = max(map(len, encoded))
+        padded = np.array([e + [0] * (width - len(e)) for e in encoded], np.int32)
+        return [(int(i), padded[i]) for i, _ in ds.as_numpy_iterator()]
 
     metrics, _ = evaluator.evaluate(compute_metrics=True, predict_fn=predict_fn, score_fn=None)
     return metrics.result()[task_name]

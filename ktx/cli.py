@@ -1,0 +1,348 @@
+"""`ktx train | eval | infer | params`: the gin edge of ktx (the only library module that
+imports gin).
+
+    ktx train --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'/tmp/qs'"
+    ktx eval  --gin_file=runs/quickstart.gin --gin_file=runs/eval.gin --gin.MODEL_DIR="'/tmp/qs'"
+    python -m ktx infer --gin_file=... --gin.CHECKPOINT_STEP=200
+
+Flags: `--gin_file` (repeatable; later files override earlier ones), `--gin.NAME=VALUE`
+(a binding, applied after every file: `--gin.TRAIN_STEPS=100`,
+`--gin.train_script.train.log_period=10`), `--gin_search_paths` (comma-separated; the
+repository's `gin/` folder and the working directory are always searched),
+`--multihost` (calls `jax.distributed.initialize()` before anything else).
+
+Gin files use dynamic registration (`from __gin__ import dynamic_registration`) and T5X's
+names: `import ktx.train as train_script` then `train_script.train.model = %MODEL`. A gin
+mistake is reported as a `GinConfigError` naming the file, line and binding, with close
+names (difflib) for a misspelt parameter, configurable, module attribute or macro.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import inspect
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Sequence
+
+__all__ = ["GinConfigError", "main", "parse_gin", "build_parser", "DEFAULT_GIN_DIR"]
+
+DEFAULT_GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
+COMMANDS = ("train", "eval", "infer", "params")
+_ENTRY = {
+    "train": ("ktx.train", "train"),
+    "eval": ("ktx.eval", "evaluate"),
+    "infer": ("ktx.infer", "infer"),
+}
+
+
+class GinConfigError(ValueError):
+    """A gin file or `--gin.` binding is wrong; the message says where and what."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ktx", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=COMMANDS)
+    parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
+    parser.add_argument("--gin_search_paths", default="", help="comma-separated folders")
+    parser.add_argument("--multihost", action="store_true", help="jax.distributed.initialize()")
+    return parser
+
+
+def _split_gin_flags(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Separates `--gin.NAME=VALUE` (or `--gin.NAME VALUE`) from the other flags."""
+    rest, bindings = [], []
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--gin."):
+            body = arg[len("--gin."):]
+            if "=" in body:
+                name, value = body.split("=", 1)
+            elif i + 1 < len(argv):
+                name, value = body, argv[i + 1]
+                i += 1
+            else:
+                raise GinConfigError(f"flag {arg!r} has no value; write --gin.NAME=VALUE")
+            if not re.fullmatch(r"[A-Za-z_][\w./]*", name):
+                raise GinConfigError(f"flag {arg!r}: {name!r} is not a gin binding name")
+            bindings.append((name, value))
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, bindings
+
+
+def _find_file(name: str, search_paths: Sequence[str]) -> pathlib.Path:
+    p = pathlib.Path(name).expanduser()
+    if p.is_absolute():
+        if p.is_file():
+            return p
+        raise GinConfigError(f"--gin_file={name}: no such file")
+    for base in search_paths:
+        candidate = pathlib.Path(base) / p
+        if candidate.is_file():
+            return candidate.resolve()
+    known = sorted(
+        str(f.relative_to(DEFAULT_GIN_DIR)) for f in DEFAULT_GIN_DIR.rglob("*.gin")
+    ) if DEFAULT_GIN_DIR.is_dir() else []
+    close = difflib.get_close_matches(name, known, n=3)
+    raise GinConfigError(
+        f"--gin_file={name}: not found in the search paths {list(search_paths)}"
+        + (f"; did you mean {close}?" if close else "")
+    )
+
+
+_LOCATION = re.compile(r'In (?:file "(?P<file>[^"]+)", line (?P<line>\d+)|bindings string line (?P<bline>\d+))')
+
+
+def _close_names(message: str) -> list[str]:
+    """Close names for the unknown thing a gin error names."""
+    import gin
+
+    m = re.search(r"No configurable matching '([^']+)'", message)
+    if m:
+        selector = m.group(1)
+        module_alias, _, attr = selector.rpartition(".")
+        candidates = []
+        for full in list(gin.config._REGISTRY.keys()) if hasattr(gin.config, "_REGISTRY") else []:
+            candidates.append(str(full))
+        # Attributes of the imported module (dynamic registration).
+        for mod in list(sys.modules.values()):
+            name = getattr(mod, "__name__", "")
+            if module_alias and (name == module_alias or name.endswith("." + module_alias.split(".")[-1])):
+                candidates += [f"{module_alias}.{a}" for a in dir(mod) if not a.startswith("_")]
+        return difflib.get_close_matches(selector, candidates, n=3)
+    m = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", message)
+    if m:
+        try:
+            fn = gin.config._REGISTRY.get_match(m.group(1)).wrapped
+            params = list(inspect.signature(fn).parameters)
+        except Exception:  # noqa: BLE001 - suggestions are best-effort
+            return []
+        return difflib.get_close_matches(m.group(2), params, n=3)
+    m = re.search(r"'([^']+)' was not provided by an import statement", message)
+    if m:
+        return []
+    m = re.search(r"<module '([^']+)' from [^>]*> has no attribute (\w+)", message)
+    if m and m.group(1) in sys.modules:
+        return difflib.get_close_matches(m.group(2), dir(sys.modules[m.group(1)]), n=3)
+    m = re.search(r"has no attribute '([^']+)'", message)
+    if m:
+        mod = re.search(r"module '([^']+)' has no attribute", message)
+        if mod and mod.group(1) in sys.modules:
+            return difflib.get_close_matches(m.group(1), dir(sys.modules[mod.group(1)]), n=3)
+    m = re.search(r"macro '?%?([A-Z_][A-Z0-9_]*)'?", message)
+    if m:
+        macros = [k for k in _known_macros()]
+        return difflib.get_close_matches(m.group(1), macros, n=3)
+    return []
+
+
+def _known_macros() -> list[str]:
+    import gin
+
+    return [scope for (scope, selector) in gin.config._CONFIG if selector == "gin.macro"]
+
+
+def _gin_error(e: Exception, files: Sequence[pathlib.Path], bindings: Sequence[tuple[str, str]]) -> GinConfigError:
+    message = str(e)
+    where = ""
+    m = _LOCATION.search(message)
+    if m and m.group("file"):
+        where = f'{m.group("file")}:{m.group("line")}'
+    elif m and m.group("bline"):
+        index = int(m.group("bline")) - 1
+        if 0 <= index < len(bindings):
+            where = f"--gin.{bindings[index][0]}={bindings[index][1]}"
+        else:
+            where = "--gin bindings"
+    binding = ""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    if m:
+        after = message[m.end():].strip().splitlines()
+        if after:
+            binding = after[0].strip()
+    close = _close_names(message)
+    head = lines[0] if lines else type(e).__name__
+    text = f"gin error{' at ' + where if where else ''}: {type(e).__name__}: {head}"
+    if binding:
+        text += f"\n  binding: {binding}"
+    if close:
+        text += f"\n  close names: {', '.join(close)}"
+    return GinConfigError(text)
+
+
+def parse_gin(
+    gin_files: Sequence[str],
+    bindings: Sequence[tuple[str, str]] = (),
+    search_paths: Sequence[str] = (),
+) -> list[pathlib.Path]:
+    """Parses gin files then `NAME=VALUE` bindings (unknown names are errors).
+
+    Returns the resolved file paths. Raises GinConfigError naming file/line/binding.
+    """
+    import gin
+
+    paths = [str(p) for p in search_paths if p] + [str(DEFAULT_GIN_DIR), os.getcwd()]
+    for p in paths:
+        gin.add_config_file_search_path(p)
+    files = [_find_file(f, paths) for f in gin_files]
+    binding_lines = [f"{name} = {value}" for name, value in bindings]
+    errors = (ValueError, NameError, AttributeError, ImportError, TypeError, SyntaxError, KeyError)
+    try:
+        gin.parse_config_files_and_bindings(
+            [str(f) for f in files], None, finalize_config=False, skip_unknown=False
+        )
+    except errors as e:
+        raise _gin_error(e, files, bindings) from e
+    # A misspelt macro flag would silently define a new macro: only known ones are allowed.
+    macros = _known_macros()
+    for name, value in bindings:
+        if re.fullmatch(r"[A-Z][A-Z0-9_]*", name) and name not in macros:
+            close = difflib.get_close_matches(name, macros, n=3)
+            raise GinConfigError(
+                f"gin error at --gin.{name}={value}: no gin file defines the macro {name}"
+                + (f"\n  close names: {', '.join(close)}" if close else
+                   f"\n  macros defined: {', '.join(sorted(macros))}")
+            )
+    try:
+        if binding_lines:
+            gin.parse_config(binding_lines)
+    except errors as e:
+        raise _gin_error(e, files, bindings) from e
+    return files
+
+
+def _required_macros(files: Sequence[pathlib.Path]) -> dict[str, str]:
+    """`{macro: "file:line"}` for every `NAME = %gin.REQUIRED` in the files (and their
+    includes are not followed: requirements belong in run headers)."""
+    out = {}
+    for f in files:
+        for lineno, line in enumerate(f.read_text().splitlines(), 1):
+            m = re.match(r"\s*([A-Z_][A-Z0-9_]*)\s*=\s*%gin\.REQUIRED\b", line)
+            if m:
+                out[m.group(1)] = f"{f}:{lineno}"
+    return out
+
+
+def _query_macro(name: str, default=None):
+    import gin
+
+    try:
+        return gin.query_parameter(f"%{name}")
+    except (ValueError, KeyError):
+        return default
+
+
+def _call_entry(command: str, files, bindings, extra_kwargs=None):
+    import gin
+
+    module_name, fn_name = _ENTRY[command]
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    try:
+        configured = gin.get_configurable(fn)
+    except ValueError as e:
+        raise GinConfigError(
+            f"no gin file configures {module_name}.{fn_name}: include runs/{command}.gin "
+            f"(import {module_name} as {command}_script)"
+        ) from e
+    try:
+        return configured(**(extra_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - re-raised with the gin context
+        message = str(e)
+        if "Required bindings" in message or "gin.REQUIRED" in message or "REQUIRED" in message:
+            required = _required_macros(files)
+            unset = [k for k in required if _query_macro(k) is None or
+                     "REQUIRED" in repr(_query_macro(k))]
+            hint = "; ".join(f"{k} (declared at {required[k]})" for k in unset) or "see the run file header"
+            raise GinConfigError(
+                f"missing required gin value for `ktx {command}`: {message.splitlines()[0]}; "
+                f"set with --gin.NAME=VALUE: {hint}"
+            ) from e
+        raise
+
+
+def _write_config(model_dir, name: str = "config.gin") -> None:
+    import gin
+
+    if model_dir is None:
+        return
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    d = pathlib.Path(model_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text(gin.operative_config_str())
+
+
+def _params_command(files, bindings) -> None:
+    import gin
+
+    from ktx import params as params_lib
+
+    ref = _query_macro("MODEL")
+    if ref is None:
+        raise GinConfigError("`ktx params` needs a gin file binding the MODEL macro (gin/models/*.gin)")
+
+    @gin.configurable("ktx_params_command")
+    def _cmd(model=gin.REQUIRED):
+        return model
+
+    gin.parse_config("ktx_params_command.model = %MODEL")
+    model = _cmd()
+    report = params_lib.count_parameters(model)
+    print(params_lib.format_report(report, name=type(model).__name__))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rest, bindings = _split_gin_flags(argv)
+    except GinConfigError as e:
+        print(f"ktx: {e}", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(rest)
+    if args.multihost:
+        import jax
+
+        jax.distributed.initialize()
+    try:
+        files = parse_gin(
+            args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p]
+        )
+        data_dir = _query_macro("DATA_DIR")
+        if data_dir:
+            os.environ["KTX_DATA_DIR"] = str(data_dir)
+        if args.command == "params":
+            _params_command(files, bindings)
+            return 0
+        model_dir = _query_macro("MODEL_DIR")
+        if args.command == "train":
+            _call_entry(
+                "train", files, bindings,
+                {"started_callback": lambda: _write_config(model_dir)},
+            )
+            _write_config(model_dir)
+        elif args.command == "eval":
+            from ktx.eval import format_table
+
+            summary = _call_entry("eval", files, bindings)
+            _write_config(pathlib.Path(model_dir) / "eval" if model_dir else None)
+            print(format_table(summary))
+        else:
+            _call_entry("infer", files, bindings)
+    except GinConfigError as e:
+        print(f"ktx: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Checkpoints: keep-N and periods, restore onto another mesh, shape errors, partial
+restore from INITIAL_CHECKPOINT_PATH, and kill -9 / resume equivalence."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from ktx import partitioning
+from ktx.checkpoints import (
+    CheckpointManager,
+    CheckpointShapeError,
+    load_initial_params,
+    resolve_checkpoint,
+    restore_params,
+)
+from ktx.trainer import Trainer
+from tests.test_trainer import ToyInput, ToyModel
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _state(mesh_partitions=1, hidden=8, seed=0):
+    tr = Trainer(ToyModel(hidden=hidden), optax.adam(1e-2), mesh=partitioning.create_mesh(mesh_partitions))
+    return tr, tr.init_state(jax.random.key(seed), ToyInput().get_batch(0))
+
+
+def test_save_period_keep_and_force(tmp_path):
+    tr, state = _state()
+    mgr = CheckpointManager(tmp_path, save_period=2, keep=2)
+    for step in range(1, 6):
+        state = state.replace(step=jax.numpy.int32(step))
+        mgr.save(state)
+    assert mgr.all_steps() == [2, 4]
+    assert mgr.save(state.replace(step=jax.numpy.int32(5)), force=True)
+    assert mgr.all_steps() == [4, 5]
+    assert mgr.read_meta(5)["step"] == 5
+    mgr.close()
+
+
+def test_restore_onto_another_mesh(tmp_path):
+    tr1, state = _state(mesh_partitions=1)
+    state, _ = tr1.train_step(state, ToyInput().get_batch(0), jax.random.key(1))
+    mgr = CheckpointManager(tmp_path, save_period=1)
+    mgr.save(state)
+    mgr.wait()
+    tr2 = Trainer(ToyModel(), optax.adam(1e-2), mesh=partitioning.create_mesh(4))
+    abstract, _ = tr2.create_abstract_state(ToyInput().get_batch(0))
+    restored = CheckpointManager(tmp_path).restore(abstract)
+    kernel = restored.params["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert kernel.sharding.mesh.shape == {"data": 2, "model": 4}
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+    # And training continues identically on the new mesh.
+    s1, m1 = tr1.train_step(state, ToyInput().get_batch(1), jax.random.key(1))
+    s2, m2 = tr2.train_step(restored, ToyInput().get_batch(1), jax.random.key(1))
+    np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
+
+
+def test_shape_mismatch_lists_paths(tmp_path):
+    _, state = _state(hidden=8)
+    mgr = CheckpointManager(tmp_path, save_period=1)
+    mgr.save(state, force=True)
+    mgr.wait()
+    tr, _ = _state(hidden=16)
+    abstract, _ = tr.create_abstract_state(ToyInput().get_batch(0))
+    with pytest.raises(CheckpointShapeError) as e:
+        CheckpointManager(tmp_path).restore(abstract)
+    msg = str(e.value)
+    assert "Dense_0/kernel: checkpoint (6, 8), model (6, 16)" in msg
+    assert "Dense_0/bias: checkpoint (8,), model (16,)" in msg
+    assert "Dense_1/kernel: checkpoint (8, 4), model (16, 4)" in msg
+    with pytest.raises(CheckpointShapeError, match="Dense_0/kernel"):
+        restore_params(tmp_path, abstract.params)
+
+
+def test_initial_checkpoint_partial_restore_reports(tmp_path):
+    _, state = _state(seed=0)
+    mgr = CheckpointManager(tmp_path / "old", save_period=1)
+    # Drop one parameter from the saved tree: it plays the role of a new prompt.
+    saved = state.replace(params={"Dense_0": state.params["Dense_0"]})
+    mgr.save(saved, force=True)
+    mgr.close()
+    tr, fresh = _state(seed=7)
+    params, report = load_initial_params(tmp_path / "old", tr.abstract_state.params, fresh.params)
+    assert report.restored == ("Dense_0/bias", "Dense_0/kernel")
+    assert report.initialized == ("Dense_1/kernel",)
+    np.testing.assert_array_equal(params["Dense_0"]["kernel"], state.params["Dense_0"]["kernel"])
+    np.testing.assert_array_equal(params["Dense_1"]["kernel"], fresh.params["Dense_1"]["kernel"])
+    assert "initialized: Dense_1/kernel" in report.summary()
+    assert resolve_checkpoint(tmp_path / "old").name == "0"
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    sys.path.insert(0, {repo!r})
+    import optax
+    from ktx.train import train
+    from tests.test_trainer import ToyInput, ToyModel
+
+    class SlowInput(ToyInput):
+        def get_batch(self, step):
+            if os.environ.get("SLOW_AFTER") and step >= int(os.environ["SLOW_AFTER"]):
+                print("READY", flush=True)
+                time.sleep(60)
+            return super().get_batch(step)
+
+    train(model=ToyModel(dropout=0.3), train_input=SlowInput(), model_dir=sys.argv[1],
+          optimizer=optax.adam(1e-2), train_steps=8, log_period=2, checkpoint_period=2,
+          num_partitions=2)
+    """
+)
+
+
+def test_kill9_resume_matches_uninterrupted(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT.format(repo=str(REPO)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    killed = tmp_path / "killed"
+    # Start, wait until step 5 is requested (checkpoint 4 is on disk), then kill -9.
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(killed)], env={**env, "SLOW_AFTER": "5"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.time() + 240
+    for line in proc.stdout:
+        if "READY" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert CheckpointManager(killed).all_steps() == [2, 4]
+    subprocess.run([sys.executable, str(script), str(killed)], env=env, check=True,
+                   capture_output=True, timeout=300)
+    straight = tmp_path / "straight"
+    subprocess.run([sys.executable, str(script), str(straight)], env=env, check=True,
+                   capture_output=True, timeout=300)
+    tr = Trainer(ToyModel(dropout=0.3), optax.adam(1e-2))
+    abstract, _ = tr.create_abstract_state(ToyInput().get_batch(0))
+    a = CheckpointManager(killed).restore(abstract)
+    b = CheckpointManager(straight).restore(abstract)
+    assert int(a.step) == int(b.step) == 8
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), a.params, b.params)
