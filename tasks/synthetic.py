@@ -7,7 +7,7 @@ targets <= 8 tokens with EOS; `{"inputs": 32, "targets": 8}` holds every example
 | task | kind | train | validation | example |
 |---|---|---|---|---|
 | `synthetic_reverse_v001` | transduction | 20,000 | 500 | `reverse: cadf` -> `fdac` |
-| `synthetic_addition_v001` | arithmetic | 8,000 | 300 | `add: 23+58` -> `81` |
+| `synthetic_count_v001` | counting (integer, scored by accuracy and error) | 8,000 | 300 | `count a: abcab` -> `2` |
 | `synthetic_keyword_v001` | detection (yes/no) | 4,000 | 300 | `find ox: cat ox sun` -> `yes` |
 | `synthetic_majority_v001` | classification (label words) | 1,000 | 300 | `major: abbab` -> `beta` |
 
@@ -53,9 +53,9 @@ def _reverse(rng: np.random.Generator) -> tuple[str, str]:
     return f"reverse: {word}", word[::-1]
 
 
-def _addition(rng: np.random.Generator) -> tuple[str, str]:
-    a, b = (int(x) for x in rng.integers(0, 100, size=2))
-    return f"add: {a}+{b}", str(a + b)
+def _count(rng: np.random.Generator) -> tuple[str, str]:
+    letters = "".join(rng.choice(list("abc"), size=int(rng.integers(3, 11))))
+    return f"count a: {letters}", str(letters.count("a"))
 
 
 def _keyword(rng: np.random.Generator) -> tuple[str, str]:
@@ -77,7 +77,7 @@ def _majority(rng: np.random.Generator) -> tuple[str, str]:
 # name -> (generator, train size, validation size, seed)
 _SPECS: dict[str, tuple[Callable[[np.random.Generator], tuple[str, str]], int, int, int]] = {
     "synthetic_reverse_v001": (_reverse, 20_000, 500, 1),
-    "synthetic_addition_v001": (_addition, 8_000, 300, 2),
+    "synthetic_count_v001": (_count, 8_000, 300, 2),
     "synthetic_keyword_v001": (_keyword, 4_000, 300, 3),
     "synthetic_majority_v001": (_majority, 1_000, 300, 4),
 }
@@ -174,7 +174,7 @@ def yes_f1(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, floa
 
 _POSTPROCESS = {
     "synthetic_reverse_v001": (None, [accuracy]),
-    "synthetic_addition_v001": (to_int, [accuracy, mean_abs_error]),
+    "synthetic_count_v001": (to_int, [accuracy, mean_abs_error]),
     "synthetic_keyword_v001": (label_index(YES_NO), [accuracy, yes_f1]),
     "synthetic_majority_v001": (label_index(MAJORITY_LABELS), [accuracy]),
 }

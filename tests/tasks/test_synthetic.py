@@ -31,9 +31,8 @@ def test_splits_deterministic_disjoint_and_short(name):
 
 
 def test_targets_are_right():
-    for source, target in synthetic.generate("synthetic_addition_v001", "validation")[:50]:
-        a, b = source.removeprefix("add: ").split("+")
-        assert int(target) == int(a) + int(b)
+    for source, target in synthetic.generate("synthetic_count_v001", "validation")[:50]:
+        assert int(target) == source.removeprefix("count a: ").count("a")
     for source, target in synthetic.generate("synthetic_reverse_v001", "validation")[:50]:
         assert target == source.removeprefix("reverse: ")[::-1]
     for source, target in synthetic.generate("synthetic_keyword_v001", "validation")[:50]:
