@@ -29,7 +29,9 @@ import re
 import sys
 from collections.abc import Sequence
 
-__all__ = ["GinConfigError", "main", "parse_gin", "build_parser", "DEFAULT_GIN_DIR"]
+__all__ = [
+    "GinConfigError", "main", "parse_gin", "build_parser", "check_required_macros", "DEFAULT_GIN_DIR",
+]
 
 DEFAULT_GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
 COMMANDS = ("train", "eval", "infer", "params")
@@ -219,16 +221,45 @@ def parse_gin(
     return files
 
 
-def _required_macros(files: Sequence[pathlib.Path]) -> dict[str, str]:
-    """`{macro: "file:line"}` for every `NAME = %gin.REQUIRED` in the files (and their
-    includes are not followed: requirements belong in run headers)."""
-    out = {}
-    for f in files:
+def _declarations(files: Sequence[pathlib.Path], search: Sequence[str]) -> dict[str, str]:
+    """`{macro: "file:line"}` of every `NAME = %gin.REQUIRED` in the files and their
+    includes."""
+    out: dict[str, str] = {}
+    seen: set[pathlib.Path] = set()
+    todo = list(files)
+    while todo:
+        f = todo.pop(0)
+        if f in seen or not f.is_file():
+            continue
+        seen.add(f)
         for lineno, line in enumerate(f.read_text().splitlines(), 1):
             m = re.match(r"\s*([A-Z_][A-Z0-9_]*)\s*=\s*%gin\.REQUIRED\b", line)
             if m:
                 out[m.group(1)] = f"{f}:{lineno}"
+            inc = re.match(r"\s*include\s+['\"]([^'\"]+)['\"]", line)
+            if inc:
+                for base in [f.parent, *map(pathlib.Path, search)]:
+                    if (base / inc.group(1)).is_file():
+                        todo.append((base / inc.group(1)).resolve())
+                        break
     return out
+
+
+def check_required_macros(files: Sequence[pathlib.Path], search: Sequence[str] = ()) -> None:
+    """Raises GinConfigError naming every macro still bound to `%gin.REQUIRED`, the
+    file and line declaring it, and the flag that sets it."""
+    import gin
+
+    unset = [
+        scope for (scope, selector), params in gin.config._CONFIG.items()
+        if selector == "gin.macro" and repr(params.get("value")) == "%gin.REQUIRED"
+    ]
+    if not unset:
+        return
+    where = _declarations(files, [*search, str(DEFAULT_GIN_DIR)])
+    lines = [f"  {name} (declared at {where.get(name, 'a gin file')}): set with --gin.{name}=..."
+             for name in sorted(unset)]
+    raise GinConfigError("missing required gin macros:\n" + "\n".join(lines))
 
 
 def _query_macro(name: str, default=None):
@@ -252,19 +283,13 @@ def _call_entry(command: str, files, bindings, extra_kwargs=None):
             f"no gin file configures {module_name}.{fn_name}: include runs/{command}.gin "
             f"(import {module_name} as {command}_script)"
         ) from e
+    check_required_macros(files)
     try:
         return configured(**(extra_kwargs or {}))
-    except Exception as e:  # noqa: BLE001 - re-raised with the gin context
+    except Exception as e:
         message = str(e)
-        if "Required bindings" in message or "gin.REQUIRED" in message or "REQUIRED" in message:
-            required = _required_macros(files)
-            unset = [k for k in required if _query_macro(k) is None or
-                     "REQUIRED" in repr(_query_macro(k))]
-            hint = "; ".join(f"{k} (declared at {required[k]})" for k in unset) or "see the run file header"
-            raise GinConfigError(
-                f"missing required gin value for `ktx {command}`: {message.splitlines()[0]}; "
-                f"set with --gin.NAME=VALUE: {hint}"
-            ) from e
+        if "Required bindings" in message:
+            raise GinConfigError(f"missing required gin binding for `ktx {command}`: {message}") from e
         raise
 
 
