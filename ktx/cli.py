@@ -1,4 +1,4 @@
-"""`ktx train | eval | infer | params`: the gin edge of ktx (the only library module that
+"""`ktx train | eval | infer | params | analyze`: the gin edge of ktx (the only library module that
 imports gin).
 
     ktx train --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'/tmp/qs'"
@@ -23,6 +23,7 @@ import argparse
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import pathlib
 import re
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 DEFAULT_GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
-COMMANDS = ("train", "eval", "infer", "params")
+COMMANDS = ("train", "eval", "infer", "params", "analyze")
 _ENTRY = {
     "train": ("ktx.train", "train"),
     "eval": ("ktx.eval", "evaluate"),
@@ -52,7 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     parser.add_argument("--gin_search_paths", default="", help="comma-separated folders")
     parser.add_argument("--multihost", action="store_true", help="jax.distributed.initialize()")
+    parser.add_argument("args", nargs="*", help="analyze: `gradients RUN_DIR`")
+    parser.add_argument("--out", default=None, help="analyze: output file")
     return parser
+
+
+def _analyze(args) -> int:
+    """`ktx analyze gradients RUN_DIR [--out PNG]`: per-task gradient magnitudes over
+    training (from the run's metrics.jsonl) as in the MetaBalance paper's figures."""
+    if len(args.args) != 2 or args.args[0] != "gradients":
+        raise GinConfigError(
+            f"ktx analyze {' '.join(args.args)}: accepted: `ktx analyze gradients RUN_DIR [--out PNG]`"
+        )
+    from ktx.optim import plot_gradient_magnitudes
+
+    run_dir = pathlib.Path(args.args[1])
+    out = pathlib.Path(args.out) if args.out else run_dir / "gradient_magnitudes.png"
+    path = plot_gradient_magnitudes(run_dir / "metrics.jsonl", out)
+    print(f"wrote {path}")
+    return 0
 
 
 def _split_gin_flags(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
@@ -180,6 +199,15 @@ def _gin_error(e: Exception, files: Sequence[pathlib.Path], bindings: Sequence[t
     return GinConfigError(text)
 
 
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
 def parse_gin(
     gin_files: Sequence[str],
     bindings: Sequence[tuple[str, str]] = (),
@@ -196,13 +224,21 @@ def parse_gin(
         gin.add_config_file_search_path(p)
     files = [_find_file(f, paths) for f in gin_files]
     binding_lines = [f"{name} = {value}" for name, value in bindings]
-    errors = (ValueError, NameError, AttributeError, ImportError, TypeError, SyntaxError, KeyError)
+    errors = (
+        ValueError, NameError, AttributeError, ImportError, TypeError, SyntaxError, KeyError, OSError,
+    )
+    # gin logs "Path not found" for every search path it tries before the one that has
+    # an included file; a file missing everywhere still raises.
+    quiet = _DropMessages("Path not found:")
+    logging.getLogger().addFilter(quiet)
     try:
         gin.parse_config_files_and_bindings(
             [str(f) for f in files], None, finalize_config=False, skip_unknown=False
         )
     except errors as e:
         raise _gin_error(e, files, bindings) from e
+    finally:
+        logging.getLogger().removeFilter(quiet)
     # A misspelt macro flag would silently define a new macro: only known ones are allowed.
     macros = _known_macros()
     for name, value in bindings:
@@ -334,6 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ktx: {e}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(rest)
+    if args.command == "analyze":
+        try:
+            return _analyze(args)
+        except (GinConfigError, FileNotFoundError, ValueError) as e:
+            print(f"ktx: {e}", file=sys.stderr)
+            return 2
+    if args.args:
+        print(f"ktx {args.command}: unexpected arguments {args.args}", file=sys.stderr)
+        return 2
     if args.multihost:
         import jax
 

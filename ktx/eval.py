@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -230,7 +231,14 @@ class DecodeEvaluator:
                 score_fn=score_fn if self._score is not None else None,
             )
             values = metrics.result()[name]
-            results[name] = {k: float(getattr(v, "value", v)) for k, v in values.items()}
+            results[name] = {}
+            for k, v in values.items():
+                v = getattr(v, "value", v)
+                if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number):
+                    results[name][k] = float(v)
+                else:  # seqio Text / Histogram values are not scalars
+                    logging.info("task %s: metric %s is not a scalar (%s); not logged",
+                                 name, k, type(v).__name__)
         if writer is not None:
             writer.write_tasks(step, f"{self.split}_decode", results)
         return results

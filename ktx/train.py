@@ -148,7 +148,7 @@ def train(
             )
             print(report.summary(), flush=True)
             state = state.replace(params=params, opt_state=jax.jit(
-                trainer.tx.init, out_shardings=trainer.state_shardings.opt_state)(params))
+                trainer.init_opt_state, out_shardings=trainer.state_shardings.opt_state)(params))
     if started_callback is not None:
         started_callback()
 
@@ -197,6 +197,8 @@ def train(
             examples_per_s=examples_per_s,
             input_wait_fraction=input_time / elapsed,
         )
+        for key in fetched[0].get("diagnostics", {}):
+            total[key] = float(np.mean([m["diagnostics"][key] for m in fetched]))
         writer.write_tasks(step, "train", by_task)
         progress.log(step, total["objective"], steps_per_s, examples_per_s)
         pending, input_time, period_start = [], 0.0, time.perf_counter()

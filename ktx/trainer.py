@@ -89,6 +89,7 @@ def train_step(
     shared: Sequence[str] | None = None,
     schedule: Any = None,
     tx_parts: tuple[Any, Any] | None = None,
+    log_diagnostics: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
 
@@ -99,7 +100,9 @@ def train_step(
 
     With `balanced=True`, `tx_parts=(balancer, optimizer)` and `tx` is their chain
     (state `(balancer_state, optimizer_state)`); `grad_norm` is the norm of the
-    balanced gradient.
+    balanced gradient, and `diagnostics` holds `ktx.optim.diagnostics(task_grads,
+    balancer_state)` (per-group gradient norms, cosines, MetaBalance weights) when
+    `log_diagnostics`; it is `{}` on the plain path.
     """
     if balanced and tx_parts is None:
         raise ValueError("balanced=True needs tx_parts=(balancer, optimizer)")
@@ -149,7 +152,9 @@ def train_step(
         grad_norm = optax.tree.norm(grads)
         updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
         opt_state = (balancer_state, optimizer_state)
+        diagnostics = optim.diagnostics(task_grads, balancer_state) if log_diagnostics else {}
     else:
+        diagnostics = {}
 
         def loss(p, mb, key):
             losses, aux = model.task_losses(p, mb, key, True, normalizer=normalizer)
@@ -177,6 +182,7 @@ def train_step(
 
     new_params = optax.apply_updates(params, updates)
     metrics = {
+        "diagnostics": diagnostics,
         "loss": task_losses.sum(),
         "task_losses": task_losses,
         "aux": aux,
@@ -315,10 +321,20 @@ class Trainer:
                 )
             params = nn.meta.unbox(variables["params"])
             return TrainState(
-                step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params)
+                step=jnp.zeros((), jnp.int32), params=params, opt_state=self.init_opt_state(params)
             )
 
         return init
+
+    def init_opt_state(self, params: Any) -> Any:
+        """`tx.init(params)`; balancers read the number of tasks from
+        `ktx.optim.num_tasks_scope`."""
+        if self.balancer is None:
+            return self.tx.init(params)
+        from ktx import optim
+
+        with optim.num_tasks_scope(self.model.num_tasks):
+            return self.tx.init(params)
 
     def create_abstract_state(self, batch: Mapping[str, Any]) -> tuple[TrainState, TrainState]:
         """`(abstract_state, shardings)`: ShapeDtypeStructs (with `.sharding` set) and

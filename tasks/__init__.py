@@ -2,3 +2,4 @@
 from ktx.tasks import synthetic  # noqa: F401
 from ktx.tasks import biomed, biomed_infusion  # noqa: F401
 from ktx.tasks import config, glue, super_glue, cs224n, mixtures  # noqa: F401
+from ktx.tasks import recsys  # noqa: F401

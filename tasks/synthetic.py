@@ -1,7 +1,7 @@
 """The quickstart suite: small SeqIO tasks that ktx generates itself (no files, no download).
 
 Four tasks of different kinds and sizes, over the byte vocabulary (one token per
-character), short enough for a tiny T5 to learn on a laptop CPU (inputs <= 20 tokens,
+character), short enough for a tiny T5 to learn on a laptop CPU (inputs <= 26 tokens,
 targets <= 8 tokens with EOS; `{"inputs": 32, "targets": 8}` holds every example):
 
 | task | kind | train | validation | example |

@@ -262,3 +262,33 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     from ktx.checkpoints import CheckpointManager
 
     assert CheckpointManager(tmp_path).all_steps() == [2, 4]
+
+
+def test_balanced_path_with_vanilla_multi_equals_plain_path():
+    optim = pytest.importorskip("ktx.optim")
+    inp = ToyInput()
+    plain = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1))
+    balanced = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi())
+    s_plain, l_plain = _run_steps(plain, 2, inp)
+    state = balanced.init_state(jax.random.key(0), inp.get_batch(0))
+    l_bal = []
+    for step in range(2):
+        state, m = balanced.train_step(state, inp.get_batch(step), jax.random.key(1),
+                                       task_counts=inp.task_counts(step))
+        l_bal.append(float(m["loss"]))
+    np.testing.assert_allclose(l_bal, l_plain, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), state.params, s_plain.params)
+
+
+def test_balanced_path_metabalance_with_microbatches():
+    optim = pytest.importorskip("ktx.optim")
+    inp = ToyInput()
+    tr = trainer_lib.Trainer(ToyModel(), optax.adam(1e-2), balancer=optim.metabalance(),
+                             num_microbatches=2)
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    shapes = jax.tree.map(lambda x: x.shape, state.opt_state)
+    for step in range(2):
+        state, m = tr.train_step(state, inp.get_batch(step), jax.random.key(1),
+                                 task_counts=inp.task_counts(step))
+        assert math.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
+    assert jax.tree.map(lambda x: x.shape, state.opt_state) == shapes

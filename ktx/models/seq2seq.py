@@ -316,6 +316,27 @@ class EncoderDecoderModel(BaseModel):
         log-probs; beam: length-penalised, see `ktx.decoding.beam_search`).
         Jit-able (all keyword arguments are static).
         """
+        sequences, scores = self.decode_batch(
+            params, batch, decode_method=decode_method, num_beams=num_beams, alpha=alpha,
+            max_decode_length=max_decode_length,
+        )
+        tokens = sequences[:, 0]
+        after_eos = jnp.cumsum(tokens == self.eos_id, axis=-1) > 0
+        tokens = jnp.where(after_eos, 0, tokens)
+        return (tokens, scores[:, 0]) if return_scores else tokens
+
+    def decode_batch(
+        self,
+        params: Any,
+        batch: Batch,
+        *,
+        decode_method: str = "greedy",
+        num_beams: int = 4,
+        alpha: float = 0.6,
+        max_decode_length: int | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Raw decoder output: `(sequences [B, K, Ld], scores [B, K])`, best first, EOS
+        kept (0 after it); `K = 1` for greedy, `num_beams` for beam search."""
         if decode_method not in DECODE_METHODS:
             raise ValueError(f"decode_method={decode_method!r}; accepted: {DECODE_METHODS}")
         if "encoder_input_tokens" not in batch:
@@ -337,14 +358,12 @@ class EncoderDecoderModel(BaseModel):
         encoded = self.module.apply(
             variables, enc_tokens, task_id, enable_dropout=False, method=t5.Transformer.encode
         )
-        num_rows = bsz * (num_beams if decode_method == "beam" else 1)
+        repeats = num_beams if decode_method == "beam" else 1
+        enc_tokens_r, encoded_r, task_id_r = (
+            jnp.repeat(x, repeats, axis=0) for x in (enc_tokens, encoded, task_id)
+        )
 
-        def repeat(x):
-            return jnp.repeat(x, num_rows // bsz, axis=0)
-
-        enc_tokens_r, encoded_r, task_id_r = repeat(enc_tokens), repeat(encoded), repeat(task_id)
-
-        def decode_step(ids, cache, enc_tok, enc, tid, mutable_cache=True):
+        def decode_step(ids, cache, enc_tok, enc, tid):
             logits, new_vars = self.module.apply(
                 {**variables, "cache": cache} if cache is not None else variables,
                 enc, enc_tok, ids, None, tid, enable_dropout=False, decode=True,
@@ -353,7 +372,7 @@ class EncoderDecoderModel(BaseModel):
             )
             return logits, new_vars["cache"]
 
-        # Cache shapes from a full-length (cache-creating) pass, traced only.
+        # Cache shapes from the cache-creating full-length pass, traced only.
         dummy = jnp.zeros((bsz, max_decode_length), jnp.int32)
         cache_shapes = jax.eval_shape(
             lambda: decode_step(dummy, None, enc_tokens, encoded, task_id)[1]
@@ -369,12 +388,8 @@ class EncoderDecoderModel(BaseModel):
                 tokens_to_logits, cache, bsz, max_decode_length,
                 eos_id=self.eos_id, decoder_start_id=self.decoder_start_id,
             )
-        else:
-            beams, beam_scores = decoding.beam_search(
-                tokens_to_logits, cache, bsz, max_decode_length, num_beams=num_beams,
-                alpha=alpha, eos_id=self.eos_id, decoder_start_id=self.decoder_start_id,
-            )
-            tokens, scores = beams[:, 0], beam_scores[:, 0]
-        after_eos = jnp.cumsum(tokens == self.eos_id, axis=-1) > 0
-        tokens = jnp.where(after_eos, 0, tokens)
-        return (tokens, scores) if return_scores else tokens
+            return tokens[:, None], scores[:, None]
+        return decoding.beam_search(
+            tokens_to_logits, cache, bsz, max_decode_length, num_beams=num_beams,
+            alpha=alpha, eos_id=self.eos_id, decoder_start_id=self.decoder_start_id,
+        )

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from ktx.optim.selection import shared_mask
-from ktx.optim.task_gradients import TaskGradients
+from ktx.optim.sparse import SparseLookups
+from ktx.optim.task_gradients import SparseRows, TaskGradients, leaf_combine
 
 __all__ = ["METHODS", "compute_task_gradients", "split_shared"]
 
@@ -38,8 +39,14 @@ LossSumsFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str,
 def split_shared(stacked_grads: Any, params: Any, shared: Sequence[str] | str | None) -> TaskGradients:
     """Keeps the task axis of shared parameters, sums it away for the others."""
     mask = shared_mask(params, shared)
-    stacked = jax.tree.map(lambda g, m: g if m else None, stacked_grads, mask)
-    summed = jax.tree.map(lambda g, m: None if m else g.sum(axis=0), stacked_grads, mask)
+
+    def total(g):
+        if isinstance(g, SparseRows):
+            return leaf_combine(g, jnp.ones((g.num_tasks,), jnp.float32))
+        return g.sum(axis=0)
+
+    stacked = jax.tree.map(lambda m, g: g if m else None, mask, stacked_grads)
+    summed = jax.tree.map(lambda m, g: None if m else total(g), mask, stacked_grads)
     return TaskGradients(stacked=stacked, summed=summed)
 
 
@@ -112,6 +119,75 @@ def _vjp(loss_sums_fn, normalizer, params, batch, num_tasks):
     return sums, aux, grads
 
 
+def _pad_to(x: jax.Array, n: int) -> jax.Array:
+    pad = [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad)
+
+
+def _sparse_blocks(sl, loss_sums_fn, normalizer, params, batch, num_tasks, counts):
+    f = sl.fn(params)
+    dense = sl.split(params)
+
+    def task_value_and_grad(t, block, deltas):
+        def g(d, z):
+            sums, (aux, idx) = f(d, z, block)
+            return sums[t] / normalizer[t], (sums, aux, idx)
+
+        (_, (sums, aux, idx)), (gd, gz) = jax.value_and_grad(
+            g, argnums=(0, 1), has_aux=True)(dense, deltas)
+        return sums, aux, idx, gd, gz
+
+    def zeros_for(block):
+        return [jnp.zeros(s.shape, s.dtype) for s in sl.delta_specs(params, block)]
+
+    first = jax.tree.map(lambda x: x[: max(counts)], dict(batch))
+    sl.call_names_for(params, first)
+    if len(set(counts)) == 1:
+        c = counts[0]
+        blocks = jax.tree.map(lambda x: x.reshape((num_tasks, c) + x.shape[1:]), dict(batch))
+        deltas = zeros_for(jax.tree.map(lambda x: x[0], blocks))
+        sums, aux, idx, gd, gz = jax.vmap(task_value_and_grad, in_axes=(0, 0, None))(
+            jnp.arange(num_tasks), blocks, deltas)
+        grads = sl.assemble(params, gd, gz, idx, num_tasks)
+        return sums.sum(0), jax.tree.map(lambda a: a.sum(0), aux), grads
+    start, results = 0, []
+    for t, c in enumerate(counts):
+        if c == 0:
+            results.append(None)
+            continue
+        block = jax.tree.map(lambda x, s=start, c=c: x[s : s + c], dict(batch))
+        results.append(task_value_and_grad(t, block, zeros_for(block)))
+        start += c
+    present = [r for r in results if r is not None]
+    sums = sum(r[0] for r in present[1:]) + present[0][0]
+    aux = jax.tree.map(lambda *a: sum(a[1:], a[0]), *[r[1] for r in present])
+    zero_dense = [jnp.zeros_like(x) for x in sl.split(params)]
+    gd = [jnp.stack(g) for g in zip(*[zero_dense if r is None else r[3] for r in results])]
+    n_calls = len(sl.call_names)
+    idx, gz = [], []
+    for k in range(n_calls):
+        flat_idx = [None if r is None else r[2][k].reshape(-1) for r in results]
+        flat_rows = [None if r is None else r[4][k].reshape(-1, r[4][k].shape[-1]) for r in results]
+        n = max(x.shape[0] for x in flat_idx if x is not None)
+        d = next(x.shape[-1] for x in flat_rows if x is not None)
+        dt = next(x.dtype for x in flat_rows if x is not None)
+        idx.append(jnp.stack([jnp.zeros((n,), jnp.int32) if x is None else _pad_to(x, n) for x in flat_idx]))
+        gz.append(jnp.stack([jnp.zeros((n, d), dt) if x is None else _pad_to(x, n) for x in flat_rows]))
+    return sums, aux, sl.assemble(params, gd, gz, idx, num_tasks)
+
+
+def _sparse_vjp(sl, loss_sums_fn, normalizer, params, batch, num_tasks):
+    sl.call_names_for(params, batch)
+    deltas = [jnp.zeros(s.shape, s.dtype) for s in sl.delta_specs(params, batch)]
+    f = sl.fn(params)
+    sums, vjp_fn, (aux, idx) = jax.vjp(
+        lambda d, z: f(d, z, batch), sl.split(params), deltas, has_aux=True)
+    cotangents = jnp.eye(num_tasks, dtype=sums.dtype) / normalizer.astype(sums.dtype)[:, None]
+    gd, gz = jax.vmap(vjp_fn)(cotangents)
+    idx = [jnp.broadcast_to(i, (num_tasks,) + i.shape) for i in idx]
+    return sums, aux, sl.assemble(params, gd, gz, idx, num_tasks)
+
+
 def compute_task_gradients(
     loss_sums_fn: LossSumsFn,
     normalizer: jax.Array,
@@ -122,6 +198,7 @@ def compute_task_gradients(
     task_counts: Sequence[int] | None = None,
     method: str = "auto",
     shared: Sequence[str] | str | None = None,
+    sparse_tables: Sequence[str] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], TaskGradients]:
     """Per-task losses and gradients (call inside `jax.jit`).
 
@@ -135,6 +212,9 @@ def compute_task_gradients(
       task_counts: static per-task row counts of a task-partitioned batch, or None.
       method: one of `METHODS`.
       shared: which parameters keep a task axis (see `ktx.optim.selection.shared_mask`).
+      sparse_tables: regexes selecting `nn.Embed` tables (e.g. `r"_embedding/embedding$"`)
+        whose per-task gradients are kept as `SparseRows` (see `ktx.optim.sparse`);
+        None: every table is differentiated densely.
 
     Returns:
       `(task_losses [T], aux, task_grads)`: `task_losses = sums / normalizer`, aux the
@@ -156,7 +236,15 @@ def compute_task_gradients(
                 "method='vjp' or 'auto' for sampled batches"
             )
         counts = _validate_counts(task_counts, num_tasks, batch)
-        sums, aux, grads = _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, counts)
+        if sparse_tables:
+            sl = SparseLookups(loss_sums_fn, params, sparse_tables)
+            sums, aux, grads = _sparse_blocks(
+                sl, loss_sums_fn, normalizer, params, batch, num_tasks, counts)
+        else:
+            sums, aux, grads = _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, counts)
+    elif sparse_tables:
+        sl = SparseLookups(loss_sums_fn, params, sparse_tables)
+        sums, aux, grads = _sparse_vjp(sl, loss_sums_fn, normalizer, params, batch, num_tasks)
     else:
         sums, aux, grads = _vjp(loss_sums_fn, normalizer, params, batch, num_tasks)
     return sums / normalizer, aux, split_shared(grads, params, shared)

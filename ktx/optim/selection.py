@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 
 __all__ = [
@@ -43,8 +44,14 @@ def _key_str(entry: Any) -> str:
 
 
 def param_names(params: Any) -> list[str]:
-    """The '/'-joined path of every leaf of `params`, in `jax.tree.leaves` order."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    """The '/'-joined path of every leaf of `params`, in `jax.tree.leaves` order.
+
+    Flax metadata boxes (`nn.Partitioned`) are named by their parameter's path, without
+    the box's `value` field.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
+    )[0]
     return ["/".join(_key_str(k) for k in path) for path, _ in leaves]
 
 

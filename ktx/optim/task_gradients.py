@@ -75,7 +75,8 @@ def as_task_gradients(updates: Any) -> TaskGradients:
     """`updates` itself if it is a `TaskGradients`, else every leaf is stacked `[T, ...]`."""
     if isinstance(updates, TaskGradients):
         return updates
-    return TaskGradients(stacked=updates, summed=jax.tree.map(lambda _: None, updates))
+    summed = jax.tree.map(lambda _: None, updates, is_leaf=lambda x: isinstance(x, SparseRows))
+    return TaskGradients(stacked=updates, summed=summed)
 
 
 def flatten_task_gradients(updates: Any) -> tuple[list, list, Any]:

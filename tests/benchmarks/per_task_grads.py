@@ -49,7 +49,7 @@ def _temp_bytes(jitted, args):
         return None
 
 
-def measure(model, batch, counts, steps):
+def measure(model, batch, counts, steps, sparse=None):
     rng = jax.random.key(0)
     params = model.init_variables(rng, batch)["params"]
     shared = getattr(model, "shared_param_patterns", None)
@@ -73,7 +73,7 @@ def measure(model, batch, counts, steps):
                 lambda p, b: model.loss_sums(p, b, rng, True), model.normalizer(batch),
                 params, batch, num_tasks=T,
                 task_counts=counts if method == "blocks" else None,
-                method=method, shared=shared)
+                method=method, shared=shared, sparse_tables=sparse)
             updates, opt_state = tx.update(tg, opt_state, params, task_losses=losses)
             return optax.apply_updates(params, updates), opt_state, losses.sum()
 
@@ -114,8 +114,10 @@ def recsys_case(steps, per_task):
         "label": jnp.asarray(r.integers(0, 2, n), jnp.float32),
         "task_id": jnp.asarray(np.repeat(np.arange(T), per_task), jnp.int32),
     }
-    res = measure(model, batch, (per_task,) * T, steps)
+    res = measure(model, batch, (per_task,) * T, steps,
+                  sparse=[r"^user_embedding/embedding$", r"^item_embedding/embedding$"])
     res["rows"] = n
+    res["sparse_tables"] = True
     return res
 
 

@@ -85,3 +85,49 @@ def test_errors_name_the_argument():
         compute_task_gradients(fn, norm, params, batch, num_tasks=3, method="blocks")
     with pytest.raises(ValueError, match="matches no parameter"):
         shared_mask(params, ["^nothing"])
+
+
+@pytest.mark.parametrize("counts,method", [((3, 3, 3), "blocks"), ((2, 4, 3), "blocks"),
+                                           ((2, 4, 3), "vjp")])
+def test_sparse_tables_match_dense(counts, method):
+    """SparseRows of the table: same combined gradient and same per-task norms as dense."""
+    from ktx.optim.task_gradients import SparseRows, leaf_combine, leaf_dense, leaf_sq_norms
+
+    model = TinyModel(num_tasks=3, vocab=7)  # few ids: many duplicates inside each block
+    batch = make_batch(counts, vocab=7, seed=2)
+    params = model.init_variables(jax.random.key(0), batch)["params"]
+    ref = _reference(model, params, batch)
+    fn = lambda p, b: model.loss_sums(p, b)  # noqa: E731
+
+    @jax.jit
+    def run(params, batch):
+        return compute_task_gradients(
+            fn, model.normalizer(batch), params, batch, num_tasks=3,
+            task_counts=counts if method == "blocks" else None, method=method,
+            shared="all", sparse_tables=[r"^embed/embedding$"])
+
+    losses, _, tg = run(params, batch)
+    table = tg.stacked["embed"]["embedding"]
+    assert isinstance(table, SparseRows)
+    np.testing.assert_allclose(leaf_dense(table), ref["embed"]["embedding"], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(leaf_sq_norms(table), leaf_sq_norms(ref["embed"]["embedding"]),
+                               rtol=2e-5)
+    w = jnp.array([1.0, 0.5, 2.0])
+    np.testing.assert_allclose(leaf_combine(table, w),
+                               jnp.tensordot(w, ref["embed"]["embedding"], 1), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(tg.stacked["shared"]["kernel"], ref["shared"]["kernel"], rtol=2e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(losses, model.task_losses(params, batch)[0], rtol=1e-5)
+
+
+def test_names_of_boxed_params():
+    import flax.linen as nn
+
+    params = {"emb": {"embedding": nn.Partitioned(jnp.ones((3, 2)), names=("vocab", "embed"))}}
+    assert ko_names(params) == ["emb/embedding"]
+
+
+def ko_names(params):
+    from ktx.optim import param_names
+
+    return param_names(params)

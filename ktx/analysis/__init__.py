@@ -1,0 +1,1 @@
+"""Analyses of trained ktx models (`ktx analyze ...`)."""

@@ -1,0 +1,171 @@
+"""The task-conditioned T5: exactness, per-task gathering, freezing, accounting, and a few
+train steps of every method on a 2x4 mesh of fake CPU devices."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ktx import params as kparams
+from ktx import partitioning
+from ktx.conditioning.model import (
+    ConditionedTransformer,
+    ConditioningConfig,
+    conditioned_model,
+    trainable_mask,
+)
+from ktx.models import seq2seq, t5
+
+# heads (4) and vocabulary (64) divide the 4-way model axis.
+CFG = t5.T5Config(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=2,
+                  num_decoder_layers=2, head_dim=8, mlp_dim=64, dropout_rate=0.0)
+SMALL = dict(reduction_factor=8, task_embed_dim=4, task_hidden_dim=8, projected_dim=4,
+             encoder_prompt_length=3, decoder_prompt_length=2, prompt_tuning_length=3)
+NUM_TASKS = 3
+
+
+def _base():
+    return seq2seq.EncoderDecoderModel(CFG, num_tasks=NUM_TASKS)
+
+
+def _batch(rows=4, le=6, ld=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "encoder_input_tokens": rng.integers(2, 64, (rows, le)).astype(np.int32),
+        "decoder_input_tokens": rng.integers(2, 64, (rows, ld)).astype(np.int32),
+        "decoder_target_tokens": rng.integers(2, 64, (rows, ld)).astype(np.int32),
+        "decoder_loss_weights": np.ones((rows, ld), np.float32),
+        "task_id": (np.arange(rows) % NUM_TASKS).astype(np.int32),
+    }
+
+
+def _init(model, batch):
+    return nn.meta.unbox(model.init_variables(jax.random.key(0), batch))["params"]
+
+
+def test_prompt_length_zero_equals_plain_t5_exactly():
+    batch = _batch()
+    plain = _base()
+    plain_params = _init(plain, batch)
+    zero = conditioned_model(plain, ConditioningConfig(
+        method="hyperprompt", encoder_prompt_length=0, decoder_prompt_length=0))
+    zero_params = _init(zero, batch)
+    assert jax.tree.structure(zero_params) == jax.tree.structure(plain_params)
+    want = plain.logits(plain_params, batch)
+    got = zero.logits(plain_params, batch)  # identical backbone parameters
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # With prompts the backbone is unchanged and the output changes.
+    hp = conditioned_model(plain, ConditioningConfig(method="hyperprompt", **SMALL))
+    hp_params = _init(hp, batch)
+    backbone = {k: v for k, v in hp_params.items() if k != "conditioning"}
+    assert jax.tree.structure(backbone) == jax.tree.structure(plain_params)
+    mixed = {**plain_params, "conditioning": hp_params["conditioning"]}
+    assert not np.allclose(hp.logits(mixed, batch), want)
+
+
+def test_hyper_prompts_are_attended_and_gathered_per_task():
+    batch = _batch()
+    model = conditioned_model(_base(), ConditioningConfig(method="hyperprompt",
+                                                          hyperprompt_variant="sep", **SMALL))
+    params = _init(model, batch)
+    logits, state = model.logits(params, batch, mutable=["intermediates"])
+    inter = state["intermediates"]
+    enc = inter["encoder"]["layers_0"]["attention"]["attention_weights"][0]
+    dec = inter["decoder"]["layers_1"]["self_attention"]["attention_weights"][0]
+    assert enc.shape == (4, 4, 6, 3 + 6)  # [B, H, Lq, l + Lk]
+    assert dec.shape == (4, 4, 4, 2 + 4)
+    # Causal queries still see every prompt: the first decoder position has mass on them.
+    assert np.all(np.asarray(dec[:, :, 0, :2]).sum(-1) > 0)
+    np.testing.assert_allclose(np.asarray(dec).sum(-1), 1.0, rtol=1e-5)
+    # Perturbing task 1's network changes only the rows of task 1.
+    bumped = jax.tree.map(lambda x: x, params)
+    enc_up = bumped["conditioning"]["encoder_hyper_prompt"]["key_up"]
+    bumped["conditioning"]["encoder_hyper_prompt"]["key_up"] = enc_up.at[:, 1].add(1.0)
+    other = model.logits(bumped, batch)
+    rows1 = np.asarray(batch["task_id"]) == 1
+    np.testing.assert_array_equal(np.asarray(other)[~rows1], np.asarray(logits)[~rows1])
+    assert not np.allclose(np.asarray(other)[rows1], np.asarray(logits)[rows1])
+
+
+def test_frozen_backbone_trains_only_conditioning():
+    batch = _batch()
+    model = conditioned_model(_base(), ConditioningConfig(method="prompt_tuning", **SMALL),
+                              train_backbone=False)
+    params = _init(model, batch)
+    grads = jax.grad(lambda p: model.loss_fn(p, batch)[0])(params)
+    mask = trainable_mask(params, False)
+    for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(mask)):
+        assert bool(np.any(np.asarray(g) != 0)) == m
+
+
+def test_count_parameters_matches_closed_form_and_plain_backbone():
+    conditioning = ConditioningConfig(method="hyperprompt", hyperprompt_variant="global", **SMALL)
+    model = conditioned_model(_base(), conditioning)
+    report = kparams.count_parameters(model)
+    plain = kparams.count_parameters(_base())
+    assert plain["task_conditioned"] == 0 and plain["ratio"] == 1.0
+    assert report["backbone"] == plain["total"]
+    b = CFG.emb_dim // SMALL["reduction_factor"]
+    for side, length, layers in (("decoder", 2, CFG.num_decoder_layers),
+                                 ("encoder", 3, CFG.num_encoder_layers)):
+        want = kparams.hyperprompt_global_closed_form(
+            d=CFG.emb_dim, l=length, T=NUM_TASKS, b=b, t_prime=4, t=4, M=layers, e=8)
+        assert report["modules"][f"conditioning/{side}_hyper_prompt"] == want
+    assert report["total"] == report["backbone"] + report["task_conditioned"]
+    assert "task-conditioned" in kparams.format_report(report, name="tiny")
+
+
+METHODS = [
+    ("hyperprompt", "share"), ("hyperprompt", "sep"), ("hyperprompt", "global"),
+    ("prompt_tuning", "global"), ("adapters", "global"), ("hyperformer", "global"),
+    ("hyperformer++", "global"),
+]
+
+
+@pytest.mark.parametrize("method,variant", METHODS)
+def test_trains_on_2x4_mesh(method, variant):
+    model = conditioned_model(_base(), ConditioningConfig(
+        method=method, hyperprompt_variant=variant, **SMALL))
+    mesh = partitioning.create_mesh(num_partitions=4)
+    assert dict(mesh.shape) == {"data": 2, "model": 4}
+    rules = partitioning.standard_logical_axis_rules()
+    batch = _batch(rows=6)
+    tx = optax.adam(1e-2)
+
+    def init(rng):
+        params = nn.meta.unbox(model.init_variables(rng, batch)["params"])
+        return params, tx.init(params)
+
+    with mesh, nn.logical_axis_rules(rules):
+        abstract = jax.eval_shape(
+            lambda r: model.init_variables(r, batch)["params"], jax.random.key(0))
+        param_shardings = partitioning.abstract_shardings(abstract, mesh, rules)
+        opt_shardings = jax.tree.map(
+            lambda _: partitioning.replicated_sharding(mesh),
+            jax.eval_shape(lambda r: init(r)[1], jax.random.key(0)))
+        params, opt_state = jax.jit(init, out_shardings=(param_shardings, opt_shardings))(
+            jax.random.key(0))
+        global_batch = partitioning.host_local_to_global(batch, mesh)
+
+        @jax.jit
+        def step(params, opt_state, batch):
+            (loss, _), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, grads
+
+        losses = []
+        for i in range(3):
+            params, opt_state, loss, grads = step(params, opt_state, global_batch)
+            losses.append(float(loss))
+            if i == 0:
+                flat = jax.tree_util.tree_flatten_with_path(grads["conditioning"])[0]
+                assert flat, "no conditioning parameters"
+                dead = [jax.tree_util.keystr(p) for p, g in flat if not np.any(np.asarray(g) != 0)]
+                assert not dead, f"no gradient reaches {dead}"
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    # The model axis holds shards of the backbone (and of head-shaped prompt networks).
+    specs = [s.spec for s in jax.tree.leaves(param_shardings)]
+    assert any("model" in tuple(s) for s in specs)
+    assert params["token_embedder"]["embedding"].sharding.spec[0] == "model"
