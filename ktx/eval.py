@@ -214,7 +214,8 @@ class DecodeEvaluator:
                 out = []
                 for index, batch, n in self._batches(ds, task_id):
                     tokens = self._predict(params, batch)[:n]
-                    out.extend((int(i), _strip(t)) for i, t in zip(index, tokens))
+                    # Fixed-length rows (0 after EOS), as seqio stacks them.
+                    out.extend((int(i), [int(x) for x in t]) for i, t in zip(index, tokens))
                 return out
 
             def score_fn(ds, task_id=task_id):

@@ -292,3 +292,29 @@ def test_balanced_path_metabalance_with_microbatches():
                                  task_counts=inp.task_counts(step))
         assert math.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
     assert jax.tree.map(lambda x: x.shape, state.opt_state) == shapes
+
+
+def test_schedules_hand_computed():
+    rsqrt = optimizers.rsqrt_schedule(base_learning_rate=1.0, warmup_steps=100)
+    np.testing.assert_allclose([float(rsqrt(s)) for s in (0, 50, 100, 400)], [0.1, 0.1, 0.1, 0.05])
+    lin = optimizers.linear_decay_schedule(1.0, decay_steps=10, warmup_steps=10)
+    np.testing.assert_allclose([float(lin(s)) for s in (0, 5, 10, 15, 20, 30)],
+                               [0.0, 0.5, 1.0, 0.5, 0.0, 0.0], atol=1e-7)
+    assert float(optimizers.constant_schedule(0.3)(1000)) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="warmup_steps=0"):
+        optimizers.rsqrt_schedule(warmup_steps=0)
+
+
+def test_adafactor_t5x_defaults_factor_large_matrices():
+    tx = optimizers.adafactor(learning_rate=1e-2)
+    params = {"big": jnp.ones((256, 128)), "small": jnp.ones((4, 8))}
+    state = tx.init(params)
+    leaves = {tuple(x.shape) for x in jax.tree.leaves(state)}
+    assert (256,) in leaves and (128,) in leaves  # factored row/column moments
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert updates["big"].shape == (256, 128)
+
+
+def test_frozen_pattern_typo_is_an_error():
+    with pytest.raises(ValueError, match="matches no parameter"):
+        optimizers.frozen_mask({"Dense_0": {"kernel": jnp.ones(2)}}, [r"Dens_0/.*"])

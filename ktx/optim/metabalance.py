@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -92,6 +93,7 @@ def metabalance(
 
     def init_fn(params):
         t = resolve_num_tasks(num_tasks, "metabalance")
+        params = nn.meta.unbox(params)  # [T]-shaped state takes no logical axes
         if target_task >= t:
             raise ValueError(f"metabalance: target_task={target_task} but num_tasks={t}")
         zeros = jax.tree.map(lambda _: jnp.zeros((t,), jnp.float32), params)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -49,6 +50,7 @@ def mtadam(
 
     def init_fn(params):
         t = resolve_num_tasks(num_tasks, "mtadam")
+        params = nn.meta.unbox(params)  # [T]-shaped state takes no logical axes
         if not 0 <= anchor < t:
             raise ValueError(f"mtadam: anchor={anchor!r} but num_tasks={t}")
         moments = lambda p: jnp.zeros((t,) + p.shape, p.dtype)  # noqa: E731
