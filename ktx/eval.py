@@ -73,10 +73,13 @@ def teacher_forced_eval(
             f"eval_input={eval_input!r} has no eval_batches(task_name, split, batch_size)"
         )
     total: dict[str, np.ndarray] = {}
-    for name in task_names:
+    for t, name in enumerate(task_names):
         for item in eval_input.eval_batches(name, split, batch_size):
-            batch, _ = _batch_and_rows(item)
+            batch, num_real = _batch_and_rows(item)
             out = jax.device_get(trainer.eval_step(params, batch))
+            if num_real is not None:  # padding rows are not examples
+                out["examples"] = np.zeros(len(task_names)).astype(np.float64)
+                out["examples"][t] = num_real
             for k, v in out.items():
                 total[k] = total.get(k, 0) + np.asarray(v, np.float64)
     if not total:

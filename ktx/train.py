@@ -56,6 +56,17 @@ def _host_rows(batch) -> int:
     return int(np.shape(next(iter(batch.values())))[0])
 
 
+def _print_results(title: str, results: dict) -> None:
+    if jax.process_index() != 0:
+        return
+    print(title + ":", flush=True)
+    for task, metrics in results.items():
+        shown = ", ".join(
+            f"{k} {v:.4g}" for k, v in metrics.items() if k not in ("weight", "examples")
+        )
+        print(f"  {task}: {shown}", flush=True)
+
+
 def train(
     *,
     model: BaseModel,
@@ -227,10 +238,15 @@ def train(
                     batch_size=eval_batch_size or _host_rows(first_batch) * jax.process_count(),
                 )
                 writer.write_tasks(done, eval_split, results)
+                _print_results(f"{eval_split} (teacher-forced) at step {done}", results)
             if decode_evaluator_fn is not None and decode_eval_period and (
                 done % decode_eval_period == 0 or done == train_steps
             ):
-                decode_evaluator_fn(trainer=trainer, params=state.params, step=done, writer=writer)
+                results = decode_evaluator_fn(
+                    trainer=trainer, params=state.params, step=done, writer=writer
+                )
+                if isinstance(results, dict):
+                    _print_results(f"decoding metrics at step {done}", results)
         if train_steps == start and start > 0:
             print(f"Checkpoint step {start} already reached TRAIN_STEPS={train_steps}", flush=True)
     finally:

@@ -204,7 +204,7 @@ def eval_step(
     params: Any, batch: Mapping[str, jax.Array], *, model: BaseModel
 ) -> dict[str, jax.Array]:
     """Teacher-forced evaluation: the model's `[T]` aux sums (no dropout), plus
-    `loss_sum` (`[T]` un-normalized loss) and `examples` (`[T]` rows with weight)."""
+    `loss_sum` (`[T]` un-normalized loss) and `examples` (`[T]` rows, padding included)."""
     sums, aux = model.loss_sums(params, batch, None, False)
     out = dict(aux)
     out["loss_sum"] = sums

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["prompt_lengths", "attention_statistics", "analyze_attention", "analyze_checkpoint",
-           "plot_attention"]
+           "plot_attention", "task_batches"]
 
 _SIDES = {"encoder": "attention", "decoder": "self_attention"}
 
@@ -131,7 +131,8 @@ def analyze_attention(
     for batch in batches:
         batch = {k: jnp.asarray(v) for k, v in batch.items()}
         out = stats(params, batch)
-        num_examples += int(batch["encoder_input_tokens"].shape[0])
+        # Padding rows (no encoder token) add nothing to the sums and are not counted.
+        num_examples += int(np.asarray((batch["encoder_input_tokens"] > 0).any(axis=1)).sum())
         for side, v in out.items():
             totals[side] = totals.get(side, 0) + np.asarray(v, np.float64)
     if num_examples == 0:
@@ -220,3 +221,22 @@ def analyze_checkpoint(
         )
     return analyze_attention(model, params, batches, task=task, out_dir=out_dir)
 
+
+def task_batches(
+    train_input: Any, task: str, *, split: str = "validation", max_examples: int = 100,
+    batch_size: int | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """Up to `max_examples` real rows of `task`'s `split` (He et al., 2022 average over
+    100 validation examples) from a `ktx.data.pipeline.MultiTaskInput`, in batches."""
+    if task not in tuple(train_input.task_names):
+        raise ValueError(f"task={task!r} is not in the mixture; accepted: {list(train_input.task_names)}")
+    if not isinstance(max_examples, int) or max_examples < 1:
+        raise ValueError(f"max_examples={max_examples!r}; accepted: an int >= 1")
+    out, seen = [], 0
+    for batch, num_real in train_input.eval_batches(task, split, batch_size):
+        take = min(num_real, max_examples - seen)
+        out.append({k: v[:take] for k, v in batch.items()})
+        seen += take
+        if seen >= max_examples:
+            break
+    return out

@@ -31,7 +31,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from ktx.conditioning.adapters import AdapterWeights, TaskAdapters, apply_adapter
 from ktx.conditioning.hyper_prompt import HYPER_PROMPT_VARIANTS, HyperPrompt

@@ -105,7 +105,8 @@ class EncoderDecoderModel(BaseModel):
     """T5.1.1 encoder-decoder with per-task losses, greedy/beam decoding and scoring.
 
     Args:
-      config: the Transformer's shapes (`t5.T5Config`); ignored when `module` is given.
+      config: the Transformer's shapes (`t5.T5Config`); with `module`, it must be
+        None or equal to `module.config`.
       module: a `t5.Transformer` (or subclass, e.g. task-conditioned); default
         `t5.Transformer(config)`.
       num_tasks: number of tasks `T` in the mixture (rows carry `task_id` in [0, T)).
@@ -141,6 +142,11 @@ class EncoderDecoderModel(BaseModel):
             raise TypeError(
                 f"EncoderDecoderModel.module must be a t5.Transformer (or subclass), got "
                 f"{type(module).__name__}"
+            )
+        elif config is not None and config != module.config:
+            raise ValueError(
+                f"EncoderDecoderModel: config={config} differs from module.config="
+                f"{module.config}; give one of them (or the same config to both)"
             )
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"EncoderDecoderModel.num_tasks={num_tasks!r}: must be an int >= 1")

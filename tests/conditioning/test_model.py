@@ -3,7 +3,6 @@ train steps of every method on a 2x4 mesh of fake CPU devices."""
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -11,7 +10,6 @@ import pytest
 from ktx import params as kparams
 from ktx import partitioning
 from ktx.conditioning.model import (
-    ConditionedTransformer,
     ConditioningConfig,
     conditioned_model,
     trainable_mask,
@@ -169,3 +167,19 @@ def test_trains_on_2x4_mesh(method, variant):
     specs = [s.spec for s in jax.tree.leaves(param_shardings)]
     assert any("model" in tuple(s) for s in specs)
     assert params["token_embedder"]["embedding"].sharding.spec[0] == "model"
+
+
+def test_cached_greedy_decoding_with_hyper_prompts_matches_teacher_forcing():
+    batch = _batch()
+    model = conditioned_model(_base(), ConditioningConfig(method="hyperprompt", **SMALL))
+    params = _init(model, batch)
+    tokens = np.asarray(model.predict_batch(params, batch, max_decode_length=4))
+    assert tokens.shape == (4, 4)
+    forced = dict(batch)
+    forced["decoder_input_tokens"] = np.concatenate(
+        [np.zeros((4, 1), np.int32), tokens[:, :-1]], axis=1)
+    forced["decoder_target_tokens"] = np.where(tokens > 0, tokens, 1).astype(np.int32)
+    argmax = np.asarray(model.logits(params, forced)).argmax(-1)
+    for row in range(4):
+        n = int(np.argmax(tokens[row] == 0)) if np.any(tokens[row] == 0) else 4
+        np.testing.assert_array_equal(argmax[row, :n], tokens[row, :n])

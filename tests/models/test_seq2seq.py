@@ -197,6 +197,10 @@ def test_input_spec_and_validation():
         model.task_weights(batch)
     with pytest.raises(ValueError, match="loss_normalization='mean'"):
         seq2seq.EncoderDecoderModel(SMALL, loss_normalization="mean")
+    with pytest.raises(ValueError, match="differs from module.config"):
+        seq2seq.EncoderDecoderModel(t5.T5Config(), module=t5.Transformer(SMALL))
+    same = seq2seq.EncoderDecoderModel(SMALL, module=t5.Transformer(SMALL))
+    assert same.config is SMALL
     with pytest.raises(ValueError, match="num_tasks=0"):
         seq2seq.EncoderDecoderModel(SMALL, num_tasks=0)
 
