@@ -4,8 +4,11 @@
 `ktx.optim` transformation, or None for the plain summed loss) and seed, evaluates full
 ranking on validation after every `eval_every` epochs, stops early when validation
 NDCG@10 has not improved for `patience` evaluations, and reports the validation and
-test metrics of the best epoch. Training runs through `ktx.trainer.Trainer` (the same
-compiled step as `ktx train`), on a task-partitioned `RecsysTrainInput`.
+test metrics of the best epoch. The `ktx.trainer.Trainer` builds the sharded state
+(the same layout as `ktx train`); training runs `steps_per_call` steps per compiled call
+(`multi_step`, a `lax.scan` over a `[K, batch]` block of batches from a task-partitioned
+`RecsysTrainInput`), so the host neither dispatches nor syncs per step. Balanced runs
+keep the per-task gradients of the embedding tables sparse (looked-up rows only).
 
     data = ktx.data.recsys.load_tmall_pairs()
     result = run_config(data, balancer=ktx.optim.metabalance(relax_factor=0.7), seed=0)
@@ -18,16 +21,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import functools
+
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ktx import partitioning
 from ktx.data.recsys import MultiBehaviorData, RecsysTrainInput
 from ktx.metrics.ranking import full_ranking
+from ktx.models.base import BaseModel
 from ktx.models.recsys import RecsysModel
+from ktx.trainer import TrainState
 
-__all__ = ["adam_l2", "build_model", "run_config"]
+__all__ = ["SPARSE_TABLES", "adam_l2", "build_model", "train_step", "multi_step", "run_config"]
 
 
 def adam_l2(learning_rate: float = 1e-3, weight_decay: float = 1e-7) -> optax.GradientTransformation:
@@ -39,6 +48,117 @@ def adam_l2(learning_rate: float = 1e-3, weight_decay: float = 1e-7) -> optax.Gr
             f"{weight_decay!r} >= 0"
         )
     return optax.chain(optax.add_decayed_weights(weight_decay), optax.adam(learning_rate))
+
+
+SPARSE_TABLES = (r"^user_embedding/embedding$", r"^item_embedding/embedding$")
+
+
+def train_step(
+    state: TrainState,
+    batch: Mapping[str, jax.Array],
+    rng: jax.Array,
+    *,
+    model: BaseModel,
+    optimizer: optax.GradientTransformation,
+    balancer: Any = None,
+    task_counts: tuple[int, ...] | None = None,
+    shared: Sequence[str] | None = None,
+    sparse_tables: Sequence[str] | None = SPARSE_TABLES,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step; the same update as `ktx.trainer.train_step`, lean metrics.
+
+    The state layout is the `Trainer`'s (`opt_state` is `optimizer`'s state, or
+    `(balancer_state, optimizer_state)` with a balancer) and the dropout key is
+    `fold_in(rng, state.step)`, as there. With a balancer, the per-task gradients of
+    the tables matched by `sparse_tables` are kept as looked-up rows
+    (`ktx.optim.compute_task_gradients(..., sparse_tables=)`), so no `[T, rows, embed]`
+    tensor is built; the balanced update is identical up to float rounding.
+
+    Args:
+      state: the train state.
+      batch: one global batch (`user`, `item`, `label`, `task_id`, each `[B]`).
+      rng: the base dropout key.
+      model, optimizer, balancer: as for `ktx.trainer.Trainer`.
+      task_counts: static rows per task of a task-partitioned batch (balanced path).
+      shared: regexes of balanced parameters.
+      sparse_tables: regexes of `nn.Embed` tables with sparse per-task gradients
+        (None: dense).
+    Returns:
+      `(state, {"loss": scalar, "task_losses": [T]})`.
+    """
+    step_rng = jax.random.fold_in(rng, state.step)
+    normalizer = model.normalizer(batch)
+    params = state.params
+    if balancer is None:
+        def loss(p):
+            losses, _ = model.task_losses(p, batch, step_rng, True, normalizer=normalizer)
+            return losses.sum(), losses
+
+        grads, task_losses = jax.grad(loss, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    else:
+        from ktx import optim
+
+        task_losses, _, task_grads = optim.compute_task_gradients(
+            lambda p, b: model.loss_sums(p, b, step_rng, True), normalizer, params, batch,
+            num_tasks=model.num_tasks, task_counts=task_counts, shared=shared,
+            sparse_tables=sparse_tables or None,
+        )
+        balancer_state, optimizer_state = state.opt_state
+        grads, balancer_state = balancer.update(
+            task_grads, balancer_state, params, task_losses=task_losses
+        )
+        updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
+        opt_state = (balancer_state, optimizer_state)
+    new_state = state.replace(
+        step=state.step + 1, params=optax.apply_updates(params, updates), opt_state=opt_state
+    )
+    return new_state, {"loss": task_losses.sum(), "task_losses": task_losses}
+
+
+def multi_step(
+    state: TrainState,
+    batches: Mapping[str, jax.Array],
+    rng: jax.Array,
+    **step_kwargs: Any,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`K` consecutive `train_step`s in one call (`lax.scan` over the leading axis).
+
+    Args:
+      batches: every feature stacked `[K, B]` (step `state.step + k` in row k).
+      step_kwargs: `train_step`'s keyword arguments.
+    Returns:
+      the state after K steps and the metrics stacked `[K, ...]`; identical to K calls
+      of `train_step`.
+    """
+
+    def body(s, batch):
+        return train_step(s, batch, rng, **step_kwargs)
+
+    return jax.lax.scan(body, state, dict(batches))
+
+
+def _compile_multi_step(trainer, task_counts, sparse_tables):
+    """`(state, batches [K, B], rng) -> (state, metrics [K])`, jitted on the trainer's mesh."""
+    fn = functools.partial(
+        multi_step, model=trainer.model, optimizer=trainer.tx_parts[1] if trainer.tx_parts
+        else trainer.tx, balancer=trainer.balancer,
+        task_counts=tuple(task_counts) if trainer.balancer is not None else None,
+        shared=trainer.shared, sparse_tables=tuple(sparse_tables) if sparse_tables else None,
+    )
+    mesh = trainer.mesh
+    stacked = NamedSharding(mesh, PartitionSpec(None, partitioning.DATA))
+    rep = partitioning.replicated_sharding(mesh)
+    jitted = jax.jit(
+        fn, in_shardings=(trainer.state_shardings, stacked, rep),
+        out_shardings=(trainer.state_shardings, rep), donate_argnums=(0,),
+    )
+
+    def run(state, batches, rng):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules):
+            return jitted(state, batches, rng)
+
+    return run
 
 
 def build_model(data: MultiBehaviorData, **model_kwargs: Any) -> RecsysModel:
@@ -68,6 +188,9 @@ def run_config(
     ks: Sequence[int] = (10, 20),
     steps_per_epoch: int | None = None,
     eval_max_users: int | None = None,
+    steps_per_call: int = 64,
+    sparse_tables: Sequence[str] | None = SPARSE_TABLES,
+    num_partitions: int = 1,
     log: Callable[[str], None] | None = print,
 ) -> dict[str, Any]:
     """Trains one (balancer, seed) configuration with early stopping on validation NDCG@10.
@@ -82,6 +205,11 @@ def run_config(
       shared: balanced parameters (default: the model's `shared_param_patterns`).
       steps_per_epoch: cap an epoch at this many steps (quick runs); None = full epoch.
       eval_max_users: rank only the first this-many users' held-out items (quick runs).
+      steps_per_call: training steps per compiled call (`multi_step`); the result does
+        not depend on it.
+      sparse_tables: tables with sparse per-task gradients on the balanced path.
+      num_partitions: size of the mesh's `model` axis (embedding tables are split over
+        it); the mesh uses `num_partitions` local devices.
     Returns:
       dict with `best_epoch`, `epochs`, `validation` and `test` metrics at the best epoch,
       `history` (per-evaluation validation NDCG@10), `train_seconds_per_epoch`,
@@ -93,6 +221,8 @@ def run_config(
         raise ValueError(f"patience={patience!r}: expected a positive int")
     if not isinstance(eval_every, int) or eval_every < 1:
         raise ValueError(f"eval_every={eval_every!r}: expected a positive int")
+    if not isinstance(steps_per_call, int) or steps_per_call < 1:
+        raise ValueError(f"steps_per_call={steps_per_call!r}: expected a positive int")
     from ktx.trainer import Trainer
 
     model = build_model(data, **dict(model_kwargs or {}))
@@ -102,7 +232,12 @@ def run_config(
     n_steps = train_input.steps_per_epoch if steps_per_epoch is None else min(
         int(steps_per_epoch), train_input.steps_per_epoch
     )
-    mesh = partitioning.create_mesh(1, devices=jax.local_devices()[:1])
+    if not isinstance(num_partitions, int) or not 1 <= num_partitions <= jax.local_device_count():
+        raise ValueError(
+            f"num_partitions={num_partitions!r}: expected 1..{jax.local_device_count()} "
+            "(local devices)"
+        )
+    mesh = partitioning.create_mesh(num_partitions, devices=jax.local_devices()[:num_partitions])
     trainer = Trainer(
         model,
         adam_l2(learning_rate, weight_decay),
@@ -138,14 +273,17 @@ def run_config(
     history, train_seconds, eval_seconds = [], [], 0.0
     since_best = 0
     epoch = 0
+    run_steps = _compile_multi_step(trainer, train_input.task_counts(0), sparse_tables)
     for epoch in range(max_epochs):
         t0 = time.perf_counter()
         base = epoch * train_input.steps_per_epoch
-        for s in range(n_steps):
-            step = base + s
-            state, metrics = trainer.train_step(
-                state, train_input.get_batch(step), step_rng, train_input.task_counts(step)
-            )
+        for lo in range(0, n_steps, steps_per_call):
+            steps = range(base + lo, base + min(lo + steps_per_call, n_steps))
+            batches = [train_input.get_batch(s) for s in steps]
+            stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+            state, metrics = run_steps(state, stacked, step_rng)
+        step = base + n_steps - 1
+        metrics = {"loss": metrics["loss"][-1]}
         jax.block_until_ready(state.params)
         train_seconds.append(time.perf_counter() - t0)
         if not np.isfinite(float(metrics["loss"])):

@@ -16,6 +16,8 @@ import logging
 import math
 import os
 import pathlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +32,7 @@ from ktx.models.base import BaseModel
 from ktx.summaries import MetricsWriter, ProgressLogger, per_task_metrics
 from ktx.trainer import Trainer, TrainState
 
-__all__ = ["NonFiniteLossError", "train", "check_input"]
+__all__ = ["NonFiniteLossError", "Prefetcher", "train", "check_input"]
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +56,55 @@ def check_input(train_input: Any) -> None:
 
 def _host_rows(batch) -> int:
     return int(np.shape(next(iter(batch.values())))[0])
+
+
+class Prefetcher:
+    """Prepares the global batches of steps `[start, stop)` in a background thread,
+    `depth` steps ahead (`get_batch`, `task_counts`, then `Trainer.global_batch`), so
+    the host builds batch s+1 while the devices run step s. Batches are a function of
+    the step, so prefetching changes nothing in what a step sees.
+
+    Iterating yields `(step, global_batch, task_counts, wait_seconds)`, where
+    `wait_seconds` is the time the loop blocked waiting for that batch.
+    """
+
+    def __init__(self, train_input: Any, trainer: Trainer, start: int, stop: int, depth: int = 2):
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"prefetch depth={depth!r}; accepted: an integer >= 1")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._n = stop - start
+
+        def produce():
+            try:
+                for step in range(start, stop):
+                    if self._stop.is_set():
+                        return
+                    batch = trainer.global_batch(train_input.get_batch(step))
+                    item = (step, batch, train_input.task_counts(step), None)
+                    while not self._stop.is_set():
+                        try:
+                            self._queue.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+            except BaseException as e:  # re-raised in the training loop
+                self._queue.put((None, None, None, e))
+
+        self._thread = threading.Thread(target=produce, name="ktx-prefetch", daemon=True)
+        self._thread.start()
+
+    def __iter__(self):
+        for _ in range(self._n):
+            t0 = time.perf_counter()
+            step, batch, counts, error = self._queue.get()
+            if error is not None:
+                raise error
+            yield step, batch, counts, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 def _print_results(title: str, results: dict) -> None:
@@ -94,6 +145,7 @@ def train(
     decode_eval_period: int = 0,
     decode_evaluator_fn: Callable[..., Any] | None = None,
     started_callback: Callable[[], None] | None = None,
+    prefetch_depth: int = 2,
 ) -> TrainState:
     """Trains `model` on `train_input` for `train_steps` steps (total, resumed runs
     included) and returns the final state.
@@ -118,6 +170,9 @@ def train(
         `decode_evaluator_fn(trainer=..., params=..., step=..., writer=...)`
         (see `ktx.eval.make_decode_evaluator`).
       started_callback: called once the state exists (the CLI writes config.gin there).
+      prefetch_depth: batches prepared ahead in a background thread (`Prefetcher`);
+        `input_wait_fraction` in the train metrics is the share of wall time the loop
+        blocked on input.
     """
     check_input(train_input)
     if not isinstance(train_steps, int) or train_steps < 0:
@@ -214,12 +269,10 @@ def train(
         progress.log(step, total["objective"], steps_per_s, examples_per_s)
         pending, input_time, period_start = [], 0.0, time.perf_counter()
 
+    prefetcher = Prefetcher(train_input, trainer, start, train_steps, depth=prefetch_depth)
     try:
-        for step in range(start, train_steps):
-            t0 = time.perf_counter()
-            batch = first_batch if step == 0 else train_input.get_batch(step)
-            counts = train_input.task_counts(step)
-            input_time += time.perf_counter() - t0
+        for step, batch, counts, wait in prefetcher:
+            input_time += wait
             state, metrics = trainer.train_step(state, batch, dropout_rng, counts)
             pending.append((step, metrics))
             done = step + 1
@@ -250,6 +303,7 @@ def train(
         if train_steps == start and start > 0:
             print(f"Checkpoint step {start} already reached TRAIN_STEPS={train_steps}", flush=True)
     finally:
+        prefetcher.close()
         checkpoints.close()
         writer.close()
     return state

@@ -136,7 +136,7 @@ def test_trains_on_2x4_mesh(method, variant):
         params = nn.meta.unbox(model.init_variables(rng, batch)["params"])
         return params, tx.init(params)
 
-    with mesh, nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract = jax.eval_shape(
             lambda r: model.init_variables(r, batch)["params"], jax.random.key(0))
         param_shardings = partitioning.abstract_shardings(abstract, mesh, rules)
