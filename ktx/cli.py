@@ -122,7 +122,34 @@ def _find_file(name: str, search_paths: Sequence[str]) -> pathlib.Path:
 _LOCATION = re.compile(r'In (?:file "(?P<file>[^"]+)", line (?P<line>\d+)|bindings string line (?P<bline>\d+))')
 
 
-def _close_names(message: str) -> list[str]:
+def _resolve_selector(selector: str, files: Sequence[pathlib.Path]):
+    """The Python object a gin selector names, through the files' `import X as Y`
+    lines (dynamic registration) or gin's registry (legacy registration)."""
+    import gin
+
+    aliases = {}
+    for f in files:
+        try:
+            text = pathlib.Path(f).read_text()
+        except OSError:
+            continue
+        for mod, alias in re.findall(r"^\s*import\s+([\w.]+)(?:\s+as\s+(\w+))?", text, re.M):
+            aliases[alias or mod] = mod
+    for alias, mod in sorted(aliases.items(), key=lambda kv: -len(kv[0])):
+        if selector.startswith(alias + "."):
+            obj = sys.modules.get(mod) or importlib.import_module(mod)
+            for attr in selector[len(alias) + 1:].split("."):
+                obj = getattr(obj, attr, None)
+                if obj is None:
+                    return None
+            return obj
+    try:
+        return gin.config._REGISTRY.get_match(selector).wrapped
+    except Exception:  # noqa: BLE001 - no match: no suggestion
+        return None
+
+
+def _close_names(message: str, files: Sequence[pathlib.Path] = ()) -> list[str]:
     """Close names for the unknown thing a gin error names."""
     import gin
 
@@ -141,10 +168,12 @@ def _close_names(message: str) -> list[str]:
         return difflib.get_close_matches(selector, candidates, n=3)
     m = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", message)
     if m:
+        fn = _resolve_selector(m.group(1), files)
+        if fn is None:
+            return []
         try:
-            fn = gin.config._REGISTRY.get_match(m.group(1)).wrapped
             params = list(inspect.signature(fn).parameters)
-        except Exception:  # noqa: BLE001 - suggestions are best-effort
+        except (TypeError, ValueError):
             return []
         return difflib.get_close_matches(m.group(2), params, n=3)
     m = re.search(r"'([^']+)' was not provided by an import statement", message)
@@ -189,7 +218,7 @@ def _gin_error(e: Exception, files: Sequence[pathlib.Path], bindings: Sequence[t
         after = message[m.end():].strip().splitlines()
         if after:
             binding = after[0].strip()
-    close = _close_names(message)
+    close = _close_names(message, files)
     head = lines[0] if lines else type(e).__name__
     text = f"gin error{' at ' + where if where else ''}: {type(e).__name__}: {head}"
     if binding:

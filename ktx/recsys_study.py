@@ -183,6 +183,7 @@ def run_config(
     num_negatives: int = 1,
     learning_rate: float = 1e-3,
     weight_decay: float = 1e-7,
+    optimizer: optax.GradientTransformation | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
     shared: Sequence[str] | None = None,
     ks: Sequence[int] = (10, 20),
@@ -201,6 +202,8 @@ def run_config(
       seed: seeds initialization, dropout and the negatives.
       max_epochs, patience, eval_every: early stopping (patience counts evaluations).
       batch_size, num_negatives, learning_rate, weight_decay: the paper's 256, 1e-3, 1e-7.
+      optimizer: the optimizer after the balancer (default `adam_l2(learning_rate,
+        weight_decay)`; MTAdam, itself the optimizer, takes a bare learning-rate scale).
       model_kwargs: extra `RecsysModel` arguments (embed_dim, mlp_dims, ...).
       shared: balanced parameters (default: the model's `shared_param_patterns`).
       steps_per_epoch: cap an epoch at this many steps (quick runs); None = full epoch.
@@ -240,7 +243,7 @@ def run_config(
     mesh = partitioning.create_mesh(num_partitions, devices=jax.local_devices()[:num_partitions])
     trainer = Trainer(
         model,
-        adam_l2(learning_rate, weight_decay),
+        adam_l2(learning_rate, weight_decay) if optimizer is None else optimizer,
         mesh=mesh,
         balancer=balancer,
         shared=tuple(shared) if shared is not None else (

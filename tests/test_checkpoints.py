@@ -113,8 +113,7 @@ _SCRIPT = textwrap.dedent(
     class SlowInput(ToyInput):
         def get_batch(self, step):
             if os.environ.get("SLOW_AFTER") and step >= int(os.environ["SLOW_AFTER"]):
-                print("READY", flush=True)
-                time.sleep(60)
+                time.sleep(120)  # the run stalls here until it is killed
             return super().get_batch(step)
 
     train(model=ToyModel(dropout=0.3), train_input=SlowInput(), model_dir=sys.argv[1],
@@ -129,15 +128,17 @@ def test_kill9_resume_matches_uninterrupted(tmp_path):
     script.write_text(_SCRIPT.format(repo=str(REPO)))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     killed = tmp_path / "killed"
-    # Start, wait until step 5 is requested (checkpoint 4 is on disk), then kill -9.
+    # Batches from step 5 on stall, so the run stops after step 5 with checkpoints 2 and
+    # 4 finalized (orbax renames a step directory into place only once it is complete);
+    # kill -9 it there.
     proc = subprocess.Popen(
         [sys.executable, str(script), str(killed)], env={**env, "SLOW_AFTER": "5"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 240
-    for line in proc.stdout:
-        if "READY" in line or time.time() > deadline:
-            break
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "4").is_dir() and time.time() < deadline:
+        assert proc.poll() is None, "the training process ended before it was killed"
+        time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert CheckpointManager(killed).all_steps() == [2, 4]
