@@ -17,11 +17,10 @@ keep the per-task gradients of the embedding tables sparse (looked-up rows only)
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import functools
 
 import flax.linen as nn
 import jax
@@ -36,7 +35,10 @@ from ktx.models.base import BaseModel
 from ktx.models.recsys import RecsysModel
 from ktx.trainer import TrainState
 
-__all__ = ["SPARSE_TABLES", "adam_l2", "build_model", "train_step", "multi_step", "run_config"]
+__all__ = [
+    "SPARSE_TABLES", "adam_l2", "build_model", "train_step", "multi_step", "compile_multi_step",
+    "run_config",
+]
 
 
 def adam_l2(learning_rate: float = 1e-3, weight_decay: float = 1e-7) -> optax.GradientTransformation:
@@ -138,8 +140,17 @@ def multi_step(
     return jax.lax.scan(body, state, dict(batches))
 
 
-def _compile_multi_step(trainer, task_counts, sparse_tables):
-    """`(state, batches [K, B], rng) -> (state, metrics [K])`, jitted on the trainer's mesh."""
+def compile_multi_step(
+    trainer: Any, task_counts: Sequence[int], sparse_tables: Sequence[str] | None = SPARSE_TABLES
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
+    """`multi_step` for a `ktx.trainer.Trainer` (its model, optimizer, balancer, shared
+    patterns and state shardings), jitted on its mesh with the state donated.
+
+    Returns `run(state, batches, rng) -> (state, metrics)` with `batches` stacked
+    `[K, B]` (any K; each distinct K compiles once) and metrics `[K, ...]`.
+    """
+    if trainer.state_shardings is None:
+        raise ValueError("compile_multi_step: call trainer.init_state first")
     fn = functools.partial(
         multi_step, model=trainer.model, optimizer=trainer.tx_parts[1] if trainer.tx_parts
         else trainer.tx, balancer=trainer.balancer,
@@ -276,7 +287,7 @@ def run_config(
     history, train_seconds, eval_seconds = [], [], 0.0
     since_best = 0
     epoch = 0
-    run_steps = _compile_multi_step(trainer, train_input.task_counts(0), sparse_tables)
+    run_steps = compile_multi_step(trainer, train_input.task_counts(0), sparse_tables)
     for epoch in range(max_epochs):
         t0 = time.perf_counter()
         base = epoch * train_input.steps_per_epoch

@@ -10,6 +10,12 @@ whose `validation` split is the one named.
 
 The text preprocessors here (`t5_glue_text`, `t5_stsb_text`) are reused by the SuperGLUE
 and CS224N tasks.
+
+Every task also has a variant without the task prefix, `glue_<task>_noprefix_v002`
+("sentence1: ... sentence2: ..."; same source, targets, postprocessor and metrics), for
+models that condition on the task embedding alone (HyperFormer's "no task prefix"
+setting, Karimi Mahabadi et al., 2021): with no prefix the inputs carry no task identity,
+only the per-row `task_id` does.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ __all__ = [
     "GLUE_METRICS",
     "GLUE_TASKS",
     "GLUE_EVAL_ONLY_TASKS",
+    "GLUE_NOPREFIX_TASKS",
+    "GLUE_NOPREFIX_EVAL_ONLY_TASKS",
+    "NOPREFIX",
+    "noprefix_name",
     "t5_glue_text",
     "t5_stsb_text",
     "make_source",
@@ -38,7 +48,7 @@ __all__ = [
 
 @seqio.map_over_dataset
 def t5_glue_text(x, benchmark_name: str, label_names: Sequence[str],
-                 feature_names: Sequence[str] | None = None):
+                 feature_names: Sequence[str] | None = None, prefix: bool = True):
     """T5's GLUE formatting of one example.
 
     Args:
@@ -46,6 +56,7 @@ def t5_glue_text(x, benchmark_name: str, label_names: Sequence[str],
       benchmark_name: the input prefix, e.g. "rte".
       label_names: target string of each label id.
       feature_names: text features to join, in order; default all but label/idx, sorted.
+      prefix: start the inputs with `benchmark_name` (T5); False: "<f1>: <text1> ...".
 
     Returns:
       {"inputs": "<benchmark> <f1>: <text1> <f2>: <text2>", "targets": label name or
@@ -53,7 +64,7 @@ def t5_glue_text(x, benchmark_name: str, label_names: Sequence[str],
       "idx/question", "idx/answer" for grouping answers by question.
     """
     keys = list(feature_names or sorted(k for k in x if k not in ("label", "idx")))
-    parts = [benchmark_name]
+    parts = [benchmark_name] if prefix else []
     for key in keys:
         parts += [f"{key}:", x[key]]
     joined = tf.strings.join(parts, separator=" ")
@@ -75,10 +86,14 @@ def t5_glue_text(x, benchmark_name: str, label_names: Sequence[str],
 
 
 @seqio.map_over_dataset
-def t5_stsb_text(x, benchmark_name: str = "stsb"):
-    """STS-B as text: "stsb sentence1: ... sentence2: ..." -> round(score * 5) / 5 as "%.1f"."""
+def t5_stsb_text(x, benchmark_name: str = "stsb", prefix: bool = True):
+    """STS-B as text: "stsb sentence1: ... sentence2: ..." -> round(score * 5) / 5 as "%.1f".
+
+    `prefix=False` drops the leading `benchmark_name`.
+    """
+    parts = [benchmark_name] if prefix else []
     joined = tf.strings.join(
-        [benchmark_name, "sentence1:", x["sentence1"], "sentence2:", x["sentence2"]], separator=" ")
+        parts + ["sentence1:", x["sentence1"], "sentence2:", x["sentence2"]], separator=" ")
     score = tf.cast(x["label"], tf.float32)
     target = tf.strings.as_string(tf.round(score * 5.0) / 5.0, precision=1)
     return {"inputs": joined, "targets": target, "idx": tf.cast(x["idx"], tf.int32)}
@@ -122,17 +137,29 @@ def register_text_task(name: str, layout: glue_sources.Layout, text_preprocessor
     )
 
 
-def _register() -> tuple[tuple[str, ...], tuple[str, ...]]:
+NOPREFIX = "noprefix"
+
+
+def noprefix_name(name: str) -> str:
+    """"glue_rte_v002" -> "glue_rte_noprefix_v002" (the name of the no-prefix variant)."""
+    head, sep, version = name.rpartition("_v")
+    if not sep or not head or not version.isdigit():
+        raise ValueError(f"noprefix_name(name={name!r}); accepted: a '<benchmark>_<task>_v<N>' name")
+    return f"{head}_{NOPREFIX}_v{version}"
+
+
+def _register(prefix: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     train_tasks, eval_only = [], []
     for task, layout in glue_sources.GLUE_LAYOUTS.items():
         if task == "stsb":
-            text = functools.partial(t5_stsb_text, benchmark_name="stsb")
+            text = functools.partial(t5_stsb_text, benchmark_name="stsb", prefix=prefix)
             post = glue_metrics.string_to_float
         else:
             labels = glue_sources.GLUE_LABELS[task]
-            text = functools.partial(t5_glue_text, benchmark_name=task, label_names=labels)
+            text = functools.partial(t5_glue_text, benchmark_name=task, label_names=labels,
+                                     prefix=prefix)
             post = glue_metrics.string_label_to_class_id(labels)
-        name = f"glue_{task}_v002"
+        name = f"glue_{task}_v002" if prefix else noprefix_name(f"glue_{task}_v002")
         register_text_task(name, layout, text, GLUE_METRICS[task], post)
         train_tasks.append(name)
         if task == "mnli":
@@ -142,9 +169,11 @@ def _register() -> tuple[tuple[str, ...], tuple[str, ...]]:
                     layout, splits={"validation": layout.splits[split]},
                     tfds_splits={"validation": split})
                 eval_name = f"glue_mnli_{which}_v002"
+                eval_name = eval_name if prefix else noprefix_name(eval_name)
                 register_text_task(eval_name, eval_layout, text, GLUE_METRICS[task], post)
                 eval_only.append(eval_name)
     return tuple(train_tasks), tuple(eval_only)
 
 
-GLUE_TASKS, GLUE_EVAL_ONLY_TASKS = _register()
+GLUE_TASKS, GLUE_EVAL_ONLY_TASKS = _register(prefix=True)
+GLUE_NOPREFIX_TASKS, GLUE_NOPREFIX_EVAL_ONLY_TASKS = _register(prefix=False)

@@ -1,8 +1,9 @@
 """Speed of the MetaBalance recommendation workload on this machine (Tmall data).
 
 Measures (1) one training epoch of the shared-bottom model (batch 256, one negative per
-positive) with Vanilla-Multi and with MetaBalance, through `ktx.trainer.Trainer` on one
-device, (2) the full-ranking evaluation of the Tmall test users over all 11,953 items,
+positive) with Vanilla-Multi and with MetaBalance, on the study's training path
+(`ktx.recsys_study.multi_step`: 64 steps per compiled call, state from
+`ktx.trainer.Trainer`, sparse per-task embedding gradients) on one device, (2) the full-ranking evaluation of the Tmall test users over all 11,953 items,
 with the GFLOP/s it achieves next to a float32 matmul peak measured in the same run.
 The last output line is one JSON object.
 
@@ -44,7 +45,10 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - t) / 1e9
 
 
-def epoch_seconds(data, balancer, steps: int, seed: int = 0) -> tuple[float, int]:
+def epoch_seconds(data, balancer, steps: int, seed: int = 0, steps_per_call: int = 64) -> tuple[float, int]:
+    """Seconds of one epoch through `recsys_study.multi_step` (the study's training
+    path: `steps_per_call` steps per compiled call, sparse per-task table gradients),
+    batches built on the host inside the timed region."""
     model = recsys_study.build_model(data)
     inp = recsys_data.RecsysTrainInput(data, batch_size=256, num_negatives=1, seed=seed)
     mesh = partitioning.create_mesh(1, devices=jax.local_devices()[:1])
@@ -52,14 +56,20 @@ def epoch_seconds(data, balancer, steps: int, seed: int = 0) -> tuple[float, int
                       shared=model.shared_param_patterns if balancer is not None else None)
     with optim.num_tasks_scope(model.num_tasks):
         state = trainer.init_state(jax.random.key(seed), inp.get_batch(0))
+    run = recsys_study.compile_multi_step(trainer, inp.task_counts(0), recsys_study.SPARSE_TABLES)
     rng = jax.random.key(seed + 1)
-    for s in range(3):  # compile and warm up
-        state, m = trainer.train_step(state, inp.get_batch(s), rng, inp.task_counts(s))
+
+    def block(lo, k):
+        bs = [inp.get_batch(s) for s in range(lo, lo + k)]
+        return {name: np.stack([b[name] for b in bs]) for name in bs[0]}
+
+    state, m = run(state, block(0, steps_per_call), rng)  # compile and warm up
     jax.block_until_ready(m["loss"])
     n = inp.steps_per_epoch if steps <= 0 else min(steps, inp.steps_per_epoch)
+    n = max(steps_per_call, n - n % steps_per_call)
     t = time.perf_counter()
-    for s in range(3, 3 + n):
-        state, m = trainer.train_step(state, inp.get_batch(s), rng, inp.task_counts(s))
+    for lo in range(steps_per_call, steps_per_call + n, steps_per_call):
+        state, m = run(state, block(lo, steps_per_call), rng)
     jax.block_until_ready(m["loss"])
     per_step = (time.perf_counter() - t) / n
     return per_step * inp.steps_per_epoch, inp.steps_per_epoch
