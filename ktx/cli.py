@@ -9,7 +9,8 @@ Flags: `--gin_file` (repeatable; later files override earlier ones), `--gin.NAME
 (a binding, applied after every file: `--gin.TRAIN_STEPS=100`,
 `--gin.train_script.train.log_period=10`), `--gin_search_paths` (comma-separated; the
 repository's `gin/` folder and the working directory are always searched),
-`--multihost` (calls `jax.distributed.initialize()` before anything else).
+`--multihost` (calls `jax.distributed.initialize()` before anything else; off a managed
+cluster, `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` say where).
 
 Gin files use dynamic registration (`from __gin__ import dynamic_registration`) and T5X's
 names: `import ktx.train as train_script` then `train_script.train.model = %MODEL`. A gin
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     parser.add_argument("--gin_search_paths", default="", help="comma-separated folders")
     parser.add_argument("--multihost", action="store_true", help="jax.distributed.initialize()")
+    parser.add_argument(
+        "--coordinator_address", default=None,
+        help="--multihost off a managed cluster: host:port of process 0",
+    )
+    parser.add_argument("--num_processes", type=int, default=None, help="with --coordinator_address")
+    parser.add_argument("--process_id", type=int, default=None, help="with --coordinator_address")
     parser.add_argument("args", nargs="*", help="analyze: `gradients RUN_DIR`")
     parser.add_argument("--out", default=None, help="analyze: output file")
     return parser
@@ -411,7 +418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.multihost:
         import jax
 
-        jax.distributed.initialize()
+        # On TPU pods, SLURM and other managed clusters JAX finds the coordinator itself;
+        # elsewhere (launch/multiprocess.sh) the three flags name it.
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
     try:
         files = parse_gin(
             args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p]

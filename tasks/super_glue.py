@@ -12,6 +12,10 @@
 * WSC: T5's fixed WSC format, "wsc text: ... * noun * ... # pronoun # ..." -> "True"/"False".
 
 Splits: train, validation, and FewGLUE's train_32shot (Schick & Schuetze, 2021).
+
+Every task also has a variant without the task prefix, `super_glue_<task>_noprefix_v102`
+("premise: ... hypothesis: ...", "text: ...", "query: ..."), for conditioning on the task
+embedding alone (Karimi Mahabadi et al., 2021); see `ktx.tasks.glue`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from ktx.data import glue_sources
 from ktx.metrics import glue as glue_metrics
 from ktx.tasks import glue
 
-__all__ = ["SUPER_GLUE_METRICS", "SUPER_GLUE_TASKS", "t5_wsc_text", "t5_record_text"]
+__all__ = [
+    "SUPER_GLUE_METRICS",
+    "SUPER_GLUE_TASKS",
+    "SUPER_GLUE_NOPREFIX_TASKS",
+    "t5_wsc_text",
+    "t5_record_text",
+]
 
 
 def _escape_regex(text: tf.Tensor) -> tf.Tensor:
@@ -33,12 +43,12 @@ def _escape_regex(text: tf.Tensor) -> tf.Tensor:
 
 
 @seqio.map_over_dataset
-def t5_wsc_text(x):
+def t5_wsc_text(x, prefix: bool = True):
     """Marks span1 (the noun) with * and span2 (the pronoun) with #, at their word indices.
 
     "The city councilmen refused ... because they ..." with span1 "The city councilmen" at
     word 0 and span2 "they" at word 6 -> "wsc text: * The city councilmen * refused ...
-    because # they # ...".
+    because # they # ...". `prefix=False` starts with "text:" instead of "wsc text:".
     """
 
     def mark(text, span, index, marker):
@@ -55,18 +65,23 @@ def t5_wsc_text(x):
     label = tf.cast(x["label"], tf.int32)
     target = tf.cond(label < 0, lambda: tf.constant("<unk>"),
                      lambda: tf.gather(tf.constant(["False", "True"]), tf.maximum(label, 0)))
-    return {"inputs": tf.strings.join(["wsc text:", text], separator=" "), "targets": target,
+    head = "wsc text:" if prefix else "text:"
+    return {"inputs": tf.strings.join([head, text], separator=" "), "targets": target,
             "idx": tf.cast(x["idx"], tf.int32)}
 
 
-def t5_record_text(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """ReCoRD as text, one example per gold answer ("<unk>" target when there is none)."""
+def t5_record_text(dataset: tf.data.Dataset, prefix: bool = True) -> tf.data.Dataset:
+    """ReCoRD as text, one example per gold answer ("<unk>" target when there is none).
+
+    `prefix=False` starts the inputs with "query:" instead of "record query:".
+    """
+    head = "record query:" if prefix else "query:"
 
     def per_answer(x):
         passage = tf.strings.regex_replace(x["passage"], r"(\.|\?|\!|\"|\')\n@highlight\n", r"\1 ")
         passage = tf.strings.regex_replace(passage, r"\n@highlight\n", ". ")
         inputs = tf.strings.join(
-            ["record query:", x["query"], "entities:",
+            [head, x["query"], "entities:",
              tf.strings.reduce_join(x["entities"], separator=", "), "passage:", passage],
             separator=" ")
         answers = tf.reshape(x["answers"], [-1])
@@ -98,23 +113,27 @@ _FEATURE_ORDER = {"multirc": ("question", "answer", "paragraph"),
                   "wic": ("sentence1", "sentence2", "word")}
 
 
-def _register() -> tuple[str, ...]:
+def _register(prefix: bool) -> tuple[str, ...]:
     names = []
     for task, layout in glue_sources.SUPER_GLUE_LAYOUTS.items():
         if task == "wsc":
-            text, post = t5_wsc_text, glue_metrics.string_label_to_class_id(("False", "True"))
+            text = functools.partial(t5_wsc_text, prefix=prefix)
+            post = glue_metrics.string_label_to_class_id(("False", "True"))
         elif task == "record":
-            text, post = t5_record_text, glue_metrics.record_postprocess
+            text = functools.partial(t5_record_text, prefix=prefix)
+            post = glue_metrics.record_postprocess
         else:
             labels = glue_sources.SUPER_GLUE_LABELS[task]
             text = functools.partial(glue.t5_glue_text, benchmark_name=task, label_names=labels,
-                                     feature_names=_FEATURE_ORDER.get(task))
+                                     feature_names=_FEATURE_ORDER.get(task), prefix=prefix)
             post = (glue_metrics.multirc_postprocess if task == "multirc"
                     else glue_metrics.string_label_to_class_id(labels))
         name = f"super_glue_{task}_v102"
+        name = name if prefix else glue.noprefix_name(name)
         glue.register_text_task(name, layout, text, SUPER_GLUE_METRICS[task], post)
         names.append(name)
     return tuple(names)
 
 
-SUPER_GLUE_TASKS = _register()
+SUPER_GLUE_TASKS = _register(prefix=True)
+SUPER_GLUE_NOPREFIX_TASKS = _register(prefix=False)

@@ -40,6 +40,7 @@ import os
 import pathlib
 from collections.abc import Iterator, Mapping, Sequence
 
+import jax
 import numpy as np
 import seqio
 
@@ -128,7 +129,8 @@ class MultiTaskInput:
       use_cached: read seqio's offline cache of the tasks (`get_dataset(use_cached=...)`).
       cache_dir: when set, converted arrays are saved to / loaded from
         `<cache_dir>/<task>/<split>-<hash>.npz` (hash of lengths, pack and seed).
-      process_index, process_count: this process and the number of processes.
+      process_index, process_count: this process and the number of processes
+        (default: `jax.process_index()`, `jax.process_count()`).
       min_rows_per_task: rows per batch guaranteed to each task with a positive rate
         ("task_partitioned" only; see `ktx.data.mixing` on tiny rates).
       shuffle: read each task in a fresh permutation per epoch (else in stored order).
@@ -146,11 +148,14 @@ class MultiTaskInput:
         pack: bool = False,
         use_cached: bool = False,
         cache_dir: str | os.PathLike | None = None,
-        process_index: int = 0,
-        process_count: int = 1,
+        process_index: int | None = None,
+        process_count: int | None = None,
         min_rows_per_task: int = 0,
         shuffle: bool = True,
     ):
+        # Default: this JAX process's share (after `jax.distributed.initialize()`).
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
         _check_batching(layout, batch_size, process_index, process_count, seed)
         lengths = dict(task_feature_lengths)
         if set(lengths) != {"inputs", "targets"}:
