@@ -60,24 +60,101 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num_processes", type=int, default=None, help="with --coordinator_address")
     parser.add_argument("--process_id", type=int, default=None, help="with --coordinator_address")
-    parser.add_argument("args", nargs="*", help="analyze: `gradients RUN_DIR`")
+    parser.add_argument("args", nargs="*", help="analyze: `gradients RUN_DIR` or `attention`")
     parser.add_argument("--out", default=None, help="analyze: output file")
+    parser.add_argument("--checkpoint", default=None,
+                        help="analyze attention: a step of MODEL_DIR, or a checkpoint path")
+    parser.add_argument("--task", default=None, help="analyze attention: a task of the mixture")
+    parser.add_argument("--out_dir", default=None, help="analyze attention: JSON + PNG folder")
+    parser.add_argument("--split", default="validation", help="analyze attention: split")
+    parser.add_argument("--max_examples", type=int, default=100,
+                        help="analyze attention: examples averaged (He et al., 2022: 100)")
     return parser
 
 
-def _analyze(args) -> int:
+_ANALYZE_USAGE = (
+    "`ktx analyze gradients RUN_DIR [--out PNG]` or `ktx analyze attention --gin_file=... "
+    "--checkpoint=STEP_OR_PATH --task=TASK --out_dir=DIR [--split=validation] [--max_examples=100]`"
+)
+
+
+def _analyze(args, bindings: Sequence[tuple[str, str]] = ()) -> int:
     """`ktx analyze gradients RUN_DIR [--out PNG]`: per-task gradient magnitudes over
-    training (from the run's metrics.jsonl) as in the MetaBalance paper's figures."""
+    training (from the run's metrics.jsonl) as in the MetaBalance paper's figures.
+    `ktx analyze attention ...`: see `_analyze_attention`."""
+    if args.args == ["attention"]:
+        return _analyze_attention(args, bindings)
     if len(args.args) != 2 or args.args[0] != "gradients":
-        raise GinConfigError(
-            f"ktx analyze {' '.join(args.args)}: accepted: `ktx analyze gradients RUN_DIR [--out PNG]`"
-        )
+        raise GinConfigError(f"ktx analyze {' '.join(args.args)}: accepted: {_ANALYZE_USAGE}")
     from ktx.optim import plot_gradient_magnitudes
 
     run_dir = pathlib.Path(args.args[1])
     out = pathlib.Path(args.out) if args.out else run_dir / "gradient_magnitudes.png"
     path = plot_gradient_magnitudes(run_dir / "metrics.jsonl", out)
     print(f"wrote {path}")
+    return 0
+
+
+def _analyze_attention(args, bindings: Sequence[tuple[str, str]]) -> int:
+    """`ktx analyze attention`: per-layer attention mass on the hyper-prompts and entropy
+    over the tokens (`ktx.analysis.attention`) of the gin-configured MODEL restored from
+    `--checkpoint` (a step of MODEL_DIR, or a run / checkpoints / step directory), on the
+    first `--max_examples` rows of `--task`'s `--split` (the task's `task_id` is its
+    index in MIXTURE_OR_TASK_NAME; TASK_FEATURE_LENGTHS as in training)."""
+    for flag in ("checkpoint", "task", "out_dir"):
+        if not getattr(args, flag):
+            raise GinConfigError(f"ktx analyze attention: --{flag} is required; usage: {_ANALYZE_USAGE}")
+    if args.max_examples < 1:
+        raise GinConfigError(f"--max_examples={args.max_examples}; accepted: an int >= 1")
+    import gin
+
+    parse_gin(args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p])
+    if _query_macro("DATA_DIR"):
+        os.environ["KTX_DATA_DIR"] = str(_query_macro("DATA_DIR"))
+    values = {m: _query_macro(m) for m in ("MODEL", "MIXTURE_OR_TASK_NAME", "TASK_FEATURE_LENGTHS")}
+    unset = [m for m, v in values.items() if v is None or repr(v) == "%gin.REQUIRED"]
+    if unset:
+        raise GinConfigError(f"ktx analyze attention needs the gin macros {unset} (include a model "
+                             "file and runs/train.gin, set them with --gin.NAME=...)")
+    import ktx.tasks  # noqa: F401  (registers the tasks)
+    import seqio
+
+    from ktx.analysis import attention
+    from ktx.data import feature_converter as fc
+    from ktx.data.pipeline import mixture_task_names
+
+    names = mixture_task_names(values["MIXTURE_OR_TASK_NAME"])
+    if args.task not in names:
+        raise GinConfigError(f"--task={args.task!r} is not in {values['MIXTURE_OR_TASK_NAME']!r}; "
+                             f"accepted: {list(names)}")
+    try:
+        configurable = gin.get_configurable("ktx_analyze_attention")
+    except ValueError:
+        configurable = gin.configurable("ktx_analyze_attention")(lambda model=gin.REQUIRED: model)
+    gin.parse_config("ktx_analyze_attention.model = %MODEL")
+    model = configurable()
+    lengths = dict(values["TASK_FEATURE_LENGTHS"])
+    ds = seqio.get_mixture_or_task(args.task).get_dataset(
+        sequence_length=lengths, split=args.split, shuffle=False, num_epochs=1,
+        trim_output_features=True)
+    rows = fc.tokens_from_dataset(ds.take(args.max_examples).as_numpy_iterator(), lengths,
+                                  source=f"{args.task}/{args.split}")
+    features = fc.widen(fc.add_task_id(fc.convert_enc_dec(
+        rows, lengths["inputs"], lengths["targets"]), names.index(args.task)))
+    step, path = (int(args.checkpoint), _query_macro("MODEL_DIR")) if args.checkpoint.isdigit() \
+        else (None, args.checkpoint)
+    if path is None or repr(path) == "%gin.REQUIRED":
+        raise GinConfigError(f"--checkpoint={args.checkpoint} is a step: set --gin.MODEL_DIR")
+    batches = [{k: v[i:i + 32] for k, v in features.items()}
+               for i in range(0, rows.num_examples, 32)]
+    report = attention.analyze_checkpoint(model, path, batches, task=args.task,
+                                          out_dir=args.out_dir, step=step)
+    for side in ("encoder", "decoder"):
+        for layer in report.get(side, []):
+            print(f"{side} layer {layer['layer']}: prompt mass {layer['prompt_mass']:.4f}, "
+                  f"token entropy {layer['token_entropy']:.4f}")
+    print(f"wrote {pathlib.Path(args.out_dir) / f'attention_{args.task}.json'} and .png "
+          f"({report['num_examples']} examples)")
     return 0
 
 
@@ -408,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(rest)
     if args.command == "analyze":
         try:
-            return _analyze(args)
+            return _analyze(args, bindings)
         except (GinConfigError, FileNotFoundError, ValueError) as e:
             print(f"ktx: {e}", file=sys.stderr)
             return 2
