@@ -150,10 +150,42 @@ def run_one(args, train_input, method: str, seed: int) -> dict:
     }
 
 
+def constant_baseline(task_names, lengths, eval_examples: int) -> dict[str, dict[str, float]]:
+    """Each task's metrics when every prediction is its most frequent train target (the
+    majority class; for STS-B the most frequent score): the "chance" line of the table."""
+    import collections
+
+    import seqio
+
+    out = {}
+    for name in task_names:
+        task = seqio.get_mixture_or_task(name)
+        train = task.preprocessors[0](task.source.get_dataset("train", shuffle=False))
+        counts = collections.Counter(ex["targets"] for ex in train.as_numpy_iterator())
+        majority = counts.most_common(1)[0][0].decode()
+        ds = task.get_dataset(lengths, split="validation", shuffle=False, num_epochs=1,
+                              trim_output_features=True)
+        if eval_examples:
+            ds = ds.take(eval_examples)
+        examples = list(ds.as_numpy_iterator())
+        targets = [task.postprocess_fn(ex["targets_pretokenized"].decode(), example=ex,
+                                       is_target=True) for ex in examples]
+        predictions = [task.postprocess_fn(majority, example=ex, is_target=False) for ex in examples]
+        out[name] = {}
+        for fn in task.metric_fns:
+            out[name].update({k: float(getattr(v, "value", v))
+                              for k, v in fn(targets, predictions).items()})
+    return out
+
+
+def short(task: str) -> str:
+    return SHORT.get(task.replace("_noprefix", ""), task)
+
+
 def markdown(args, runs: list[dict], task_names, sizes) -> str:
     methods = [m for m in METHODS if any(r["method"] == m for r in runs)]
     seeds = sorted({r["seed"] for r in runs})
-    header = ["method"] + [SHORT.get(t, t) for t in task_names] + ["avg"]
+    header = ["method"] + [short(t) for t in task_names] + ["avg"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for m in methods:
         mine = sorted((r for r in runs if r["method"] == m), key=lambda r: r["seed"])
@@ -165,7 +197,7 @@ def markdown(args, runs: list[dict], task_names, sizes) -> str:
         cells.append(f"**{np.mean(avgs):.1f}** ({'/'.join(f'{v:.1f}' for v in avgs)})")
         lines.append("| " + " | ".join([m] + cells) + " |")
     detail = ["| method | seed | " + " | ".join(
-        f"{SHORT.get(t, t)} {k}" for t in task_names for k in runs[0]["metrics"][t]) +
+        f"{short(t)} {k}" for t in task_names for k in runs[0]["metrics"][t]) +
         " | final train objective | params (task-cond.) | train s | eval s |"]
     detail.append("|" + "---|" * (len(detail[0].split("|")) - 2))
     for r in sorted(runs, key=lambda r: (methods.index(r["method"]), r["seed"])):
@@ -201,24 +233,29 @@ def main(argv=None):
           f"rows per task at step 0: {train_input.task_counts(0)}", flush=True)
     log = work / "runs.jsonl"
     done = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    key = lambda r: (r["method"], r["seed"], r["steps"])  # noqa: E731
+    key = lambda r: (r["method"], r["seed"], r["steps"], r.get("mixture", MIXTURE))  # noqa: E731
     seen = {key(r) for r in done}
     seeds = [int(s) for s in args.seeds.split(",")]
     for seed in seeds:
         for method in args.methods.split(","):
-            if (method, seed, args.steps) in seen:
+            if (method, seed, args.steps, args.mixture) in seen:
                 continue
             print(f"=== {method} seed {seed}", flush=True)
-            result = run_one(args, train_input, method, seed)
+            result = {"mixture": args.mixture, **run_one(args, train_input, method, seed)}
             print(json.dumps(result), flush=True)
             with log.open("a") as f:
                 f.write(json.dumps(result) + "\n")
             done.append(result)
     runs = [r for r in done if r["steps"] == args.steps and r["seed"] in seeds
-            and r["method"] in args.methods.split(",")]
+            and r["method"] in args.methods.split(",") and r.get("mixture", MIXTURE) == args.mixture]
     table, detail, seeds_done = markdown(args, runs, train_input.task_names, train_input.task_sizes)
+    baseline = constant_baseline(train_input.task_names, train_input.task_feature_lengths,
+                                 args.eval_examples)
+    base_scores = [task_score(baseline[t]) for t in train_input.task_names]
+    table += ("\n| majority train target (no model) | " + " | ".join(f"{v:.1f}" for v in base_scores)
+              + f" | **{np.mean(base_scores):.1f}** |")
     setup = (
-        f"mixture `{args.mixture}` ({', '.join(f'{SHORT.get(t, t)} {n}' for t, n in zip(train_input.task_names, train_input.task_sizes))} "
+        f"mixture `{args.mixture}` ({', '.join(f'{short(t)} {n}' for t, n in zip(train_input.task_names, train_input.task_sizes))} "
         f"train rows), temperature mixing T={args.temperature} with >= 1 row per task per batch, "
         f"batch {args.batch_size}, lengths {args.inputs_length}/{args.targets_length}, "
         f"{args.steps} steps, AdamW lr {args.learning_rate} (clip 1.0), dropout 0, "
@@ -233,18 +270,20 @@ def main(argv=None):
         "benchmark": "conditioning_quality", "setup": setup,
         "average": {m: float(np.mean([np.mean(list(r["scores"].values())) for r in runs if r["method"] == m]))
                     for m in METHODS if any(r["method"] == m for r in runs)},
-        "per_task": {m: {SHORT.get(t, t): float(np.mean([r["scores"][t] for r in runs if r["method"] == m]))
+        "per_task": {m: {short(t): float(np.mean([r["scores"][t] for r in runs if r["method"] == m]))
                          for t in train_input.task_names}
                      for m in METHODS if any(r["method"] == m for r in runs)},
         "runs": len(runs),
+        "majority_baseline": {short(t): task_score(baseline[t]) for t in train_input.task_names},
     }
     if args.results_md:
         path = pathlib.Path(args.results_md)
         existing = path.read_text() if path.exists() else ""
-        block = (f"<!-- conditioning_quality:begin -->\n**Setup.** {setup}.\n\n"
+        tag = "conditioning_quality" if args.mixture == MIXTURE else f"conditioning_quality:{args.mixture}"
+        begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+        block = (f"{begin}\n**Setup.** {setup}.\n\n"
                  f"Per-task score (mean of the task's metrics; mean over seeds, per-seed in brackets):\n\n"
-                 f"{table}\n\nAll metrics per run:\n\n{detail}\n<!-- conditioning_quality:end -->")
-        begin, end = "<!-- conditioning_quality:begin -->", "<!-- conditioning_quality:end -->"
+                 f"{table}\n\nAll metrics per run:\n\n{detail}\n{end}")
         if begin in existing and end in existing:
             existing = existing[:existing.index(begin)] + block + existing[existing.index(end) + len(end):]
         else:

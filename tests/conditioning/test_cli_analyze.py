@@ -1,5 +1,5 @@
 """`ktx analyze attention` end to end: a 2-step HyperPrompt-Global checkpoint made by
-`ktx train` on the synthetic suite, analysed through the CLI (step or path), JSON + PNG,
+`ktx train` on a synthetic task, analysed through the CLI (step or path), JSON + PNG,
 and the errors for a wrong task / step / missing flag."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import ktx.models.t5 as t5
 
 MODEL = @seq2seq.EncoderDecoderModel()
 seq2seq.EncoderDecoderModel.config = @t5.T5Config()
-NUM_TASKS = 4
+NUM_TASKS = 1
 seq2seq.EncoderDecoderModel.num_tasks = %NUM_TASKS
 t5.T5Config:
   vocab_size = 384
@@ -32,7 +32,7 @@ t5.T5Config:
   dropout_rate = 0.0
 """
 
-TASK = "synthetic_keyword_v001"
+TASK = "synthetic_majority_v001"  # the smallest synthetic task: a one-task "mixture"
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def _flags(model_gin, run, conditioning=True):
             "--gin.PROJECTED_DIM=4",
         ]
     return flags + [
-        f"--gin.MODEL_DIR='{run}'", "--gin.MIXTURE_OR_TASK_NAME='synthetic_quickstart'",
+        f"--gin.MODEL_DIR='{run}'", f"--gin.MIXTURE_OR_TASK_NAME='{TASK}'",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}", "--gin.TRAIN_STEPS=2",
         "--gin.BATCH_SIZE=8", "--gin.train_script.train.log_period=2",
     ]
@@ -106,9 +106,10 @@ def test_analyze_attention_cli(tmp_path, capsys):
     capsys.readouterr()
 
     # Errors: a task outside the mixture, a step that was not saved, a missing flag.
-    assert _analyze(flags, "--checkpoint=2", "--task=glue_rte_v002", f"--out_dir={out_a}") == 2
+    assert _analyze(flags, "--checkpoint=2", "--task=synthetic_keyword_v001",
+                    f"--out_dir={out_a}") == 2
     err = capsys.readouterr().err
-    assert "glue_rte_v002" in err and TASK in err
+    assert "synthetic_keyword_v001" in err and TASK in err
     assert _analyze(flags, "--checkpoint=7", f"--task={TASK}", f"--out_dir={out_a}") == 2
     assert "step 7" in capsys.readouterr().err
     assert _analyze(flags, f"--task={TASK}", f"--out_dir={out_a}") == 2
