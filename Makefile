@@ -19,7 +19,7 @@ install: $(BIN)/.ktx-installed
 quickstart: install
 	rm -rf $(QUICKSTART_DIR)
 	$(BIN)/ktx train --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'$(QUICKSTART_DIR)'"
-	$(BIN)/ktx eval --gin_file=runs/quickstart.gin --gin_file=runs/eval.gin --gin.MODEL_DIR="'$(QUICKSTART_DIR)'"
+	$(BIN)/ktx eval --gin_file=runs/eval.gin --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'$(QUICKSTART_DIR)'"
 
 test: install
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests

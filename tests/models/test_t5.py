@@ -259,6 +259,6 @@ def test_sharded_forward_on_2x4_mesh(tiny):
     def fwd(p, e, d, t):
         return module.apply({"params": p}, e, d, t, enable_dropout=False)
 
-    with mesh, nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         out = fwd(sharded, *batch)
     np.testing.assert_allclose(out[:2], _logits(module, params), atol=1e-5)
