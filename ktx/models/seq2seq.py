@@ -8,7 +8,7 @@ Loss per target token (weight `decoder_loss_weights > 0`), as T5X's
     z_loss  = z_loss * logsumexp(logits)^2             (T5X's auxiliary z-loss, which
               keeps the softmax normaliser near 1)
 
-Optional knowledge-infusion term (Zhang et al., 2021, "Infusing Disease Knowledge into
+Optional knowledge-infusion term (He et al., 2020, "Infusing Disease Knowledge into
 BERT for Health Question Answering, Medical Inference and Disease Name Recognition"):
 `infusion_beta / S_b`, with `S_b` the sum over example `b`'s target tokens (weight > 0) of
 the raw logit of the target token (the paper uses beta = 10). It is added to every target
@@ -87,7 +87,7 @@ def weighted_cross_entropy(
 def infusion_term(
     logits: jax.Array, targets: jax.Array, weights: jax.Array, beta: float
 ) -> jax.Array:
-    """Per-token knowledge-infusion loss `[B, L]` (Zhang et al., 2021), weighted.
+    """Per-token knowledge-infusion loss `[B, L]` (He et al., 2020), weighted.
 
     `beta / S_b` on every weighted token of example `b`, `S_b` = sum over target tokens
     with weight > 0 of the raw logit of the target token; 0 where `S_b == 0`.
@@ -113,7 +113,7 @@ class EncoderDecoderModel(BaseModel):
       loss_normalization: "global" (mean over all target tokens) or "per_task".
       z_loss: T5X z-loss coefficient (T5X default 1e-4).
       label_smoothing: in [0, 1).
-      infusion_beta: knowledge-infusion coefficient (Zhang et al., 2021: 10); 0 = off.
+      infusion_beta: knowledge-infusion coefficient (He et al., 2020: 10); 0 = off.
       eos_id, decoder_start_id: vocabulary ids (T5: 1 and 0).
     """
 
