@@ -13,6 +13,7 @@ import pytest
 
 from ktx import cli
 from ktx.summaries import read_metrics
+from tests.tiny_t5_gin import tiny_t5_gin
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -90,25 +91,7 @@ def test_main_reports_missing_required_macro(tmp_path, capsys):
     assert "MODEL_DIR" in err and "train.gin" in err
 
 
-TINY_MODEL_GIN = """
-from __gin__ import dynamic_registration
-import ktx.models.seq2seq as seq2seq
-import ktx.models.t5 as t5
-
-MODEL = @seq2seq.EncoderDecoderModel()
-seq2seq.EncoderDecoderModel.config = @t5.T5Config()
-NUM_TASKS = 1
-seq2seq.EncoderDecoderModel.num_tasks = %NUM_TASKS
-t5.T5Config:
-  vocab_size = 384
-  emb_dim = 16
-  num_heads = 2
-  head_dim = 8
-  mlp_dim = 32
-  num_encoder_layers = 1
-  num_decoder_layers = 1
-  dropout_rate = 0.0
-"""
+TINY_MODEL_GIN = tiny_t5_gin()
 
 
 def _task_names():

@@ -11,26 +11,9 @@ import gin
 import pytest
 
 from ktx import cli
+from tests.tiny_t5_gin import tiny_t5_gin
 
-TINY_MODEL_GIN = """
-from __gin__ import dynamic_registration
-import ktx.models.seq2seq as seq2seq
-import ktx.models.t5 as t5
-
-MODEL = @seq2seq.EncoderDecoderModel()
-seq2seq.EncoderDecoderModel.config = @t5.T5Config()
-NUM_TASKS = 1
-seq2seq.EncoderDecoderModel.num_tasks = %NUM_TASKS
-t5.T5Config:
-  vocab_size = 384
-  emb_dim = 16
-  num_heads = 2
-  head_dim = 8
-  mlp_dim = 32
-  num_encoder_layers = 2
-  num_decoder_layers = 1
-  dropout_rate = 0.0
-"""
+TINY_MODEL_GIN = tiny_t5_gin(num_encoder_layers=2)
 
 TASK = "synthetic_majority_v001"  # the smallest synthetic task: a one-task "mixture"
 
