@@ -37,10 +37,13 @@ __all__ = [
 
 DEFAULT_GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
 COMMANDS = ("train", "eval", "infer", "params", "analyze")
+# Each command runs the first of its entry functions that the gin files configure
+# (`ktx eval` decodes T5 runs with ktx.eval.evaluate and ranks recommendation runs with
+# ktx.ranking_eval.evaluate).
 _ENTRY = {
-    "train": ("ktx.train", "train"),
-    "eval": ("ktx.eval", "evaluate"),
-    "infer": ("ktx.infer", "infer"),
+    "train": (("ktx.train", "train"),),
+    "eval": (("ktx.eval", "evaluate"), ("ktx.ranking_eval", "evaluate")),
+    "infer": (("ktx.infer", "infer"),),
 }
 
 
@@ -423,15 +426,24 @@ def _query_macro(name: str, default=None):
 def _call_entry(command: str, files, bindings, extra_kwargs=None):
     import gin
 
-    module_name, fn_name = _ENTRY[command]
-    fn = getattr(importlib.import_module(module_name), fn_name)
-    try:
-        configured = gin.get_configurable(fn)
-    except ValueError as e:
+    candidates = []  # (has bindings in this config, configurable)
+    for module_name, fn_name in _ENTRY[command]:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+        try:
+            configurable = gin.get_configurable(fn)
+        except ValueError:  # not registered by any gin file
+            continue
+        bound = bool(gin.get_bindings(fn, resolve_references=False))
+        candidates.append((bound, configurable))
+    # A function registered by an earlier parse in this process but not bound now loses
+    # to one the current files bind.
+    configured = max(candidates, key=lambda c: c[0])[1] if candidates else None
+    if configured is None:
+        names = " or ".join(f"{m}.{f}" for m, f in _ENTRY[command])
         raise GinConfigError(
-            f"no gin file configures {module_name}.{fn_name}: include runs/{command}.gin "
-            f"(import {module_name} as {command}_script)"
-        ) from e
+            f"no gin file configures {names}: include runs/{command}.gin (or "
+            f"runs/recsys_{command}.gin for a recommendation run)"
+        )
     check_required_macros(files)
     try:
         return configured(**(extra_kwargs or {}))

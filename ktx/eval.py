@@ -295,7 +295,7 @@ def checkpoint_steps_of(model_dir: str | os.PathLike) -> list[int]:
     return sorted(int(c.name) for c in d.iterdir() if c.name.isdigit() and (c / "state").is_dir())
 
 
-def _select_steps(model_dir, checkpoint_steps) -> list[int]:
+def select_checkpoint_steps(model_dir, checkpoint_steps) -> list[int]:
     saved = checkpoint_steps_of(model_dir)
     if not saved:
         raise FileNotFoundError(f"no checkpoints in {model_dir}/{CHECKPOINTS_SUBDIR}")
@@ -340,7 +340,7 @@ def evaluate(
     """
     from ktx.data.pipeline import mixture_task_names
 
-    steps = _select_steps(model_dir, checkpoint_steps)
+    steps = select_checkpoint_steps(model_dir, checkpoint_steps)
     task_names = mixture_task_names(mixture_or_task_name)
     if model.num_tasks != len(task_names):
         raise ValueError(

@@ -37,7 +37,7 @@ from ktx.trainer import TrainState
 
 __all__ = [
     "SPARSE_TABLES", "adam_l2", "build_model", "train_step", "multi_step", "compile_multi_step",
-    "run_config",
+    "run_config", "subsample_users", "training_exclusions",
 ]
 
 
@@ -172,6 +172,30 @@ def compile_multi_step(
     return run
 
 
+def subsample_users(pairs: np.ndarray, max_users: int | None, seed: int = 0) -> np.ndarray:
+    """The held-out `pairs` of `max_users` users drawn without replacement (a fixed
+    subset for a given seed); all pairs when `max_users` is None or covers every user."""
+    if max_users is None:
+        return pairs
+    if not isinstance(max_users, int) or max_users < 1:
+        raise ValueError(f"max_users={max_users!r}: expected None or a positive int")
+    users = np.unique(pairs[:, 0])
+    if max_users >= len(users):
+        return pairs
+    keep = np.random.default_rng(seed).choice(users, max_users, replace=False)
+    return pairs[np.isin(pairs[:, 0], keep)]
+
+
+def training_exclusions(data: MultiBehaviorData, exclude: str = "all") -> list[np.ndarray]:
+    """The `(user, item)` pair arrays removed from every user's full ranking: every
+    behaviour's training pairs (`"all"`) or the target's (`"target"`)."""
+    if exclude == "all":
+        return [data.train[b] for b in data.behaviours]
+    if exclude == "target":
+        return [data.train[data.target]]
+    raise ValueError(f"exclude={exclude!r}; accepted: 'all', 'target'")
+
+
 def build_model(data: MultiBehaviorData, **model_kwargs: Any) -> RecsysModel:
     """`RecsysModel` sized for `data` (users, items, one task per behaviour)."""
     return RecsysModel(
@@ -200,6 +224,8 @@ def run_config(
     ks: Sequence[int] = (10, 20),
     steps_per_epoch: int | None = None,
     eval_max_users: int | None = None,
+    test_max_users: int | None = None,
+    exclude: str = "all",
     steps_per_call: int = 64,
     sparse_tables: Sequence[str] | None = SPARSE_TABLES,
     num_partitions: int = 1,
@@ -218,7 +244,12 @@ def run_config(
       model_kwargs: extra `RecsysModel` arguments (embed_dim, mlp_dims, ...).
       shared: balanced parameters (default: the model's `shared_param_patterns`).
       steps_per_epoch: cap an epoch at this many steps (quick runs); None = full epoch.
-      eval_max_users: rank only the first this-many users' held-out items (quick runs).
+      eval_max_users, test_max_users: rank only this many validation / test users, a
+        fixed random subset (the same for every run; quick runs); None: every user.
+      exclude: which of a user's training items are left out of their ranking: "all"
+        (every training interaction, auxiliary behaviours included: after leakage
+        removal none of them can be a held-out target item) or "target" (the target
+        behaviour's training pairs only).
       steps_per_call: training steps per compiled call (`multi_step`); the result does
         not depend on it.
       sparse_tables: tables with sparse per-task gradients on the balanced path.
@@ -271,16 +302,12 @@ def run_config(
     else:
         state = trainer.init_state(init_rng, train_input.get_batch(0))
 
-    def heldout(pairs):
-        if eval_max_users is None:
-            return pairs
-        users = np.unique(pairs[:, 0])[:eval_max_users]
-        return pairs[np.isin(pairs[:, 0], users)]
+    excluded = training_exclusions(data, exclude)
 
-    def evaluate(params, pairs):
+    def evaluate(params, pairs, max_users):
         return full_ranking(
             model, params, num_users=data.num_users, num_items=data.num_items,
-            heldout=heldout(pairs), exclude=[data.train[data.target]], ks=ks,
+            heldout=subsample_users(pairs, max_users), exclude=excluded, ks=ks,
         )
 
     best = (-np.inf, -1, None)
@@ -305,7 +332,7 @@ def run_config(
         if (epoch + 1) % eval_every and epoch + 1 < max_epochs:
             continue
         t1 = time.perf_counter()
-        val = evaluate(state.params, data.validation)
+        val = evaluate(state.params, data.validation, eval_max_users)
         eval_seconds += time.perf_counter() - t1
         history.append(val["ndcg@10"])
         if log:
@@ -320,7 +347,7 @@ def run_config(
                 break
     best_params, best_val = best[2]
     t1 = time.perf_counter()
-    test = evaluate(best_params, data.test)
+    test = evaluate(best_params, data.test, test_max_users)
     eval_seconds += time.perf_counter() - t1
     return {
         "best_epoch": best[1],

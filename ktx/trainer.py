@@ -90,6 +90,7 @@ def train_step(
     schedule: Any = None,
     tx_parts: tuple[Any, Any] | None = None,
     log_diagnostics: bool = True,
+    sparse_tables: Sequence[str] | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
 
@@ -106,6 +107,11 @@ def train_step(
     """
     if balanced and tx_parts is None:
         raise ValueError("balanced=True needs tx_parts=(balancer, optimizer)")
+    if sparse_tables and num_microbatches > 1:
+        raise ValueError(
+            f"sparse_tables={tuple(sparse_tables)!r} needs num_microbatches=1 (got "
+            f"{num_microbatches}): sparse per-task rows are not accumulated over microbatches"
+        )
     num_tasks = model.num_tasks
     step_rng = jax.random.fold_in(rng, state.step)
     normalizer = model.normalizer(batch)
@@ -121,6 +127,7 @@ def train_step(
             return optim.compute_task_gradients(
                 loss_sums_fn, normalizer, params, mb, num_tasks=num_tasks,
                 task_counts=counts, method=method, shared=shared,
+                sparse_tables=tuple(sparse_tables) if sparse_tables else None,
             )
 
         if num_microbatches == 1:
@@ -268,6 +275,8 @@ class Trainer:
       num_microbatches: gradient accumulation factor (divides the global batch).
       grad_method: "auto" | "blocks" | "vjp", passed to `compute_task_gradients`.
       shared: regexes of balanced parameters (None: the engine's default).
+      sparse_tables: regexes of `nn.Embed` tables whose per-task gradients stay sparse
+        on the balanced path (looked-up rows only; recommendation tables).
     """
 
     def __init__(
@@ -282,6 +291,7 @@ class Trainer:
         num_microbatches: int = 1,
         grad_method: str = "auto",
         shared: Sequence[str] | None = None,
+        sparse_tables: Sequence[str] | None = None,
     ):
         if not isinstance(model, BaseModel):
             raise TypeError(f"model={model!r} must be a ktx.models.base.BaseModel")
@@ -301,6 +311,14 @@ class Trainer:
         self.num_microbatches = num_microbatches
         self.grad_method = grad_method
         self.shared = None if shared is None else tuple(shared)
+        if isinstance(sparse_tables, str):
+            sparse_tables = (sparse_tables,)
+        self.sparse_tables = tuple(sparse_tables) if sparse_tables else None
+        if self.sparse_tables and num_microbatches > 1:
+            raise ValueError(
+                f"sparse_tables={self.sparse_tables!r} needs num_microbatches=1 (got "
+                f"{num_microbatches})"
+            )
         self._compiled: dict[Any, Any] = {}
         self._eval_compiled = None
         self.state_shardings = None
@@ -399,6 +417,7 @@ class Trainer:
                 shared=self.shared,
                 schedule=self.schedule,
                 tx_parts=self.tx_parts,
+                sparse_tables=self.sparse_tables,
             )
             data = partitioning.data_sharding(self.mesh)
             rep = partitioning.replicated_sharding(self.mesh)

@@ -152,7 +152,7 @@ def full_ranking(
     heldout: np.ndarray,
     exclude: Sequence[np.ndarray] = (),
     ks: Sequence[int] = (10, 20),
-    user_chunk: int = 32,
+    user_chunk: int = 256,
     item_block: int | None = 256,
     stats: dict | None = None,
 ) -> dict[str, float]:

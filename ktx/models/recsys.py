@@ -69,10 +69,11 @@ class SharedBottomNet(nn.Module):
     mlp_dims: Sequence[int] = (32, 16, 8)
     tower_dims: Sequence[int] = (64, 32)
     dropout_rate: float = 0.5
+    embedding_init_stddev: float = 0.01
     dtype: Any = jnp.float32
 
     def setup(self):
-        init = nn.initializers.normal(stddev=0.01)
+        init = nn.initializers.normal(stddev=self.embedding_init_stddev)
         self.user_embedding = nn.Embed(
             self.num_users,
             self.embed_dim,
@@ -167,6 +168,7 @@ class RecsysModel(BaseModel):
       embed_dim, mlp_dims, tower_dims, dropout_rate: the network (paper: 64, (32, 16, 8),
         (64, 32), 0.5).
       target_task: the task whose tower full ranking scores.
+      embedding_init_stddev: standard deviation of the normal init of both tables.
     """
 
     num_users: int
@@ -178,6 +180,7 @@ class RecsysModel(BaseModel):
     dropout_rate: float = 0.5
     target_task: int = 0
     loss_normalization: str = "per_task"
+    embedding_init_stddev: float = 0.01
 
     def __post_init__(self):
         for name in ("num_users", "num_items", "num_tasks", "embed_dim"):
@@ -188,6 +191,10 @@ class RecsysModel(BaseModel):
         self.tower_dims = _check_dims("RecsysModel.tower_dims", self.tower_dims)
         if not 0.0 <= float(self.dropout_rate) < 1.0:
             raise ValueError(f"RecsysModel.dropout_rate={self.dropout_rate!r}: expected [0, 1)")
+        if not float(self.embedding_init_stddev) > 0:
+            raise ValueError(
+                f"RecsysModel.embedding_init_stddev={self.embedding_init_stddev!r}: expected > 0"
+            )
         if not 0 <= self.target_task < self.num_tasks:
             raise ValueError(
                 f"RecsysModel.target_task={self.target_task!r}: expected 0..{self.num_tasks - 1}"
@@ -205,6 +212,7 @@ class RecsysModel(BaseModel):
             mlp_dims=self.mlp_dims,
             tower_dims=self.tower_dims,
             dropout_rate=float(self.dropout_rate),
+            embedding_init_stddev=float(self.embedding_init_stddev),
         )
 
     shared_param_patterns = SHARED_PARAM_PATTERNS

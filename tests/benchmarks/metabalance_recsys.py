@@ -72,7 +72,16 @@ def main() -> None:
     ap.add_argument("--max_epochs", type=int, default=100)
     ap.add_argument("--patience", type=int, default=20)
     ap.add_argument("--steps_per_epoch", type=int, default=0, help="0: full epochs")
-    ap.add_argument("--eval_max_users", type=int, default=0, help="0: every user")
+    ap.add_argument("--eval_max_users", type=int, default=0,
+                    help="validation users ranked per evaluation, a fixed random subset (0: all)")
+    ap.add_argument("--test_max_users", type=int, default=0,
+                    help="test users ranked at the best epoch, a fixed random subset (0: all)")
+    ap.add_argument("--other_relax_factors", default=None,
+                    help="relax factors tried for the strategies after the first "
+                         "(default: --relax_factors)")
+    ap.add_argument("--cache", default=None,
+                    help="JSONL of finished runs (keyed by experiment, seed, bindings and "
+                         "budget): reused, and appended to, so an interrupted study resumes")
     ap.add_argument("--data_dir", default=None)
     ap.add_argument("--out", default=str(REPO / "docs" / "results_recsys.md"))
     ap.add_argument("--png", default=str(REPO / "docs" / "results_recsys_relax.png"))
@@ -84,18 +93,37 @@ def main() -> None:
         if s not in STRATEGY_FILES:
             raise ValueError(f"--strategies: {s!r}; accepted: {sorted(STRATEGY_FILES)}")
     relax = [float(r) for r in args.relax_factors.split(",") if r]
+    other_relax = relax if args.other_relax_factors is None else [
+        float(r) for r in args.other_relax_factors.split(",") if r]
     budget = {"MAX_EPOCHS": args.max_epochs,
               "recsys_study.run_config.patience": args.patience,
               "STEPS_PER_EPOCH": args.steps_per_epoch or None,
-              "EVAL_MAX_USERS": args.eval_max_users or None}
+              "EVAL_MAX_USERS": args.eval_max_users or None,
+              "TEST_MAX_USERS": args.test_max_users or None}
     if args.data_dir:
         budget["recsys_data.load_tmall_pairs.directory"] = str(pathlib.Path(args.data_dir) / "recsys" / "tmall")
     data = recsys_data.load_tmall_pairs(budget.get("recsys_data.load_tmall_pairs.directory"))
     t_start = time.perf_counter()
 
+    cache: dict[str, dict] = {}
+    if args.cache and pathlib.Path(args.cache).exists():
+        for line in pathlib.Path(args.cache).read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                cache[record["key"]] = record["result"]
+
     def run(name, seed, extra=None):
         t = time.perf_counter()
-        r = run_experiment(name, data, {**budget, "SEED": seed, **(extra or {})})
+        bindings = {**budget, "SEED": seed, **(extra or {})}
+        key = json.dumps([name, bindings], sort_keys=True)
+        if key in cache:
+            r = cache[key]
+        else:
+            r = run_experiment(name, data, bindings)
+            r = json.loads(json.dumps(r, default=float))  # plain floats, as cached
+            if args.cache:
+                with open(args.cache, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"key": key, "result": r}) + "\n")
         print(f"{name} seed {seed} {extra or ''}: best epoch {r['best_epoch']}/{r['epochs']} "
               f"val N@10 {r['validation']['ndcg@10']:.4f} test N@10 {r['test']['ndcg@10']:.4f} "
               f"({time.perf_counter() - t:.0f}s)", flush=True)
@@ -103,8 +131,8 @@ def main() -> None:
 
     # 1. MetaBalance: strategy x relax factor on the first seed, chosen on validation.
     grid = {}
-    for s in strategies:
-        for r in relax:
+    for i, s in enumerate(strategies):
+        for r in relax if i == 0 else other_relax:
             grid[(s, r)] = run(STRATEGY_FILES[s], seeds[0], {"RELAX_FACTOR": r})
     best_s, best_r = max(grid, key=lambda k: grid[k]["validation"]["ndcg@10"])
     results: dict[str, list[dict]] = {}
