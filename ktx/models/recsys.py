@@ -37,6 +37,7 @@ __all__ = [
     "RecsysModel",
     "RECSYS_FEATURES",
     "SHARED_PARAM_PATTERNS",
+    "PopularityScorer",
 ]
 
 RECSYS_FEATURES = ("user", "item", "label", "task_id")
@@ -319,3 +320,31 @@ class RecsysModel(BaseModel):
         flops += sum(2 * a * b for a, b in zip(h[:-1], h[1:]))
         flops += 2 * h[-1]
         return flops
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity: a static jit argument
+class PopularityScorer:
+    """The non-personalised baseline in the scorer protocol of `ktx.metrics.ranking`:
+    every user gets the items ranked by their number of training interactions.
+
+        scorer = PopularityScorer()
+        full_ranking(scorer, scorer.params(data.train[data.target], data.num_items), ...)
+    """
+
+    @staticmethod
+    def params(pairs: Any, num_items: int) -> dict[str, jax.Array]:
+        """`{"counts": [num_items]}`: interactions per item in `pairs` (`[n, 2]` user, item)."""
+        import numpy as np
+
+        items = np.asarray(pairs).reshape(-1, 2)[:, 1]
+        return {"counts": jnp.asarray(np.bincount(items, minlength=num_items), jnp.float32)}
+
+    def rank_user_part(self, params: Any, users: jax.Array) -> dict[str, jax.Array]:
+        return {"ones": jnp.ones((users.shape[0], 1), jnp.float32)}
+
+    def rank_item_part(self, params: Any) -> dict[str, jax.Array]:
+        return {"counts": params["counts"][:, None]}
+
+    def rank_scores(self, params: Any, user_part: Mapping[str, jax.Array],
+                    item_part: Mapping[str, jax.Array]) -> jax.Array:
+        return user_part["ones"] @ item_part["counts"].T  # [U, N]

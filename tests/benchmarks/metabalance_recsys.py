@@ -5,14 +5,18 @@ each run, budget and seed passed as gin bindings). MetaBalance's strategy (both,
 enlarge) and relax factor are chosen on VALIDATION NDCG@10 of the first seed only; the
 chosen configuration is then run for every seed, like every other method. Writes
 `docs/results_recsys.md` (methods x N@10, R@10, P@10, N@20, R@20, P@20 on test, mean
-+- standard deviation over seeds, plus the budget used) and the relax-factor curve
-`docs/results_recsys_relax.png`. The last output line is JSON with each method's mean
-test NDCG@10.
++- standard deviation over seeds, a popularity reference row, the budget used) and the
+relax-factor curve `docs/results_recsys_relax.png`. The last output line is JSON with
+each method's mean test NDCG@10.
 
     KTX_DATA_DIR=/work/shared/data python tests/benchmarks/metabalance_recsys.py \
         --seeds 0,1,2 --max_epochs 100 --patience 20          # the paper's budget
-    ... --max_epochs 3 --patience 2 --steps_per_epoch 400 --eval_max_users 2000 \
-        --methods single_loss,vanilla_multi,pcgrad --relax_factors 0.3,0.7   # reduced
+    ... --max_epochs 3 --patience 3 --eval_max_users 2000 --test_max_users 8000 \
+        --relax_factors 0.1,0.3,0.5,0.7,0.9 --other_relax_factors 0.7 \
+        --cache /tmp/study.jsonl                               # the reduced run reported
+
+`--cache` keeps every finished run (keyed by experiment, seed, bindings and budget), so
+an interrupted study resumes where it stopped and the report can be rewritten at once.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import numpy as np
 
 from ktx import cli, recsys_study
 from ktx.data import recsys as recsys_data
+from ktx.metrics.ranking import full_ranking
+from ktx.models.recsys import PopularityScorer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENTS = REPO / "gin" / "experiments" / "recsys"
@@ -151,8 +157,16 @@ def main() -> None:
             print(f"{m} FAILED: {failed[label]}", flush=True)
     elapsed = time.perf_counter() - t_start
 
+    # The non-personalised reference: items by training purchases, same users and exclusions.
+    pop = PopularityScorer()
+    popularity = full_ranking(
+        pop, pop.params(data.train[data.target], data.num_items), num_users=data.num_users,
+        num_items=data.num_items, heldout=recsys_study.subsample_users(data.test, args.test_max_users or None),
+        exclude=recsys_study.training_exclusions(data, "all"), ks=(10, 20))
+
     order = [k for k in results if not k.startswith("MetaBalance (")] + [
         k for k in results if k.startswith("MetaBalance (")]
+    full_steps = next(iter(grid.values()))["steps_per_epoch"] if args.steps_per_epoch == 0 else None
     lines = [
         "# MetaBalance study on Tmall (ktx)",
         "",
@@ -162,28 +176,33 @@ def main() -> None:
         "`gin/models/recsys_shared_bottom.gin` (He et al., 2022: embeddings 64, bottom MLP",
         "(32, 16, 8) + MF, towers (64, 32), dropout 0.5, Adam 1e-3, L2 1e-7, batch 256, one",
         "negative per positive). Test metrics at the epoch with the best validation NDCG@10,",
-        f"mean ± standard deviation over seeds {seeds}.",
+        f"mean ± standard deviation (population) over seeds {seeds}; every method is the gin",
+        "file of its name under `gin/experiments/recsys/`.",
         "",
         "## Budget",
         "",
-        f"* max epochs {args.max_epochs}, early-stopping patience {args.patience} evaluations",
-        f"* steps per epoch: {args.steps_per_epoch or 'full epoch'} "
-        f"(a full epoch is {grid[(best_s, best_r)]['steps_per_epoch'] if args.steps_per_epoch == 0 else 'about 3101'} steps)",
-        f"* ranked users: {args.eval_max_users or 'all'} per split (first users by id; all "
-        f"{data.num_items} items ranked, training buys excluded)",
-        f"* MetaBalance grid (seed {seeds[0]}, validation only): strategies {strategies}, "
-        f"relax factors {relax}; chosen: {best_s}, r={best_r}",
+        f"* max epochs {args.max_epochs}, early-stopping patience {args.patience} evaluations, "
+        "one evaluation per epoch",
+        f"* steps per epoch: {args.steps_per_epoch or f'full epochs ({full_steps} steps of 256)'}",
+        f"* ranked users: validation {args.eval_max_users or 'all'}, test "
+        f"{args.test_max_users or 'all'} (fixed random subsets, the same for every run); all "
+        f"{data.num_items} items ranked, each user's training items (every behaviour) excluded",
+        f"* MetaBalance grid (seed {seeds[0]}, chosen on validation NDCG@10 only): "
+        + "; ".join(f"{s_} r in {sorted(r for (s2, r) in grid if s2 == s_)}" for s_ in strategies)
+        + f"; chosen: {best_s}, r={best_r}",
         f"* wall-clock {elapsed / 60:.1f} min on this machine",
     ]
-    if args.steps_per_epoch or args.eval_max_users or args.max_epochs < 100 or args.patience < 20 \
-            or len(seeds) < 3:
+    if args.steps_per_epoch or args.eval_max_users or args.test_max_users or args.max_epochs < 100 \
+            or args.patience < 20 or len(seeds) < 3:
         lines += ["", "This is a REDUCED study (the paper trains up to 100 full epochs with "
                   "patience 20 and ranks every user); numbers are not comparable with the "
-                  "paper's Table 4.3 and differences between methods are within noise unless "
-                  "the spread says otherwise."]
+                  "paper's Table 4.3, and a difference between two methods means little unless "
+                  "it exceeds their spreads over seeds."]
     lines += ["", "## Test metrics (Table 4.3 layout)", "",
-              "| method | " + " | ".join(HEADERS) + " | best epoch |",
-              "|---" * (len(HEADERS) + 2) + "|"]
+              "| method | " + " | ".join(HEADERS) + " | best epoch per seed |",
+              "|---" * (len(HEADERS) + 2) + "|",
+              "| Popularity (no training) | " + " | ".join(f"{popularity[m]:.4f}" for m in METRICS)
+              + " | - |"]
     for k in order:
         rs = results[k]
         cells = [_fmt([r["test"][m] for r in rs]) for m in METRICS]
@@ -191,11 +210,10 @@ def main() -> None:
                      + ",".join(str(r["best_epoch"]) for r in rs) + " |")
     for k, err in failed.items():
         lines.append(f"| {k} | FAILED: {err} |" + " |" * len(HEADERS))
-    lines += ["", "## MetaBalance grid (validation NDCG@10, seed %d)" % seeds[0], "",
-              "| strategy | " + " | ".join(str(r) for r in relax) + " |",
-              "|---" * (len(relax) + 1) + "|"]
-    for s in strategies:
-        lines.append(f"| {s} | " + " | ".join(f"{grid[(s, r)]['validation']['ndcg@10']:.4f}" for r in relax) + " |")
+    lines += ["", "## MetaBalance grid (seed %d)" % seeds[0], "",
+              "| strategy | relax factor | validation N@10 | test N@10 |", "|---|---|---|---|"]
+    for (s_, r), res in sorted(grid.items()):
+        lines.append(f"| {s_} | {r} | {res['validation']['ndcg@10']:.4f} | {res['test']['ndcg@10']:.4f} |")
     lines += ["", f"![relax factor curve]({pathlib.Path(args.png).name})", ""]
     pathlib.Path(args.out).write_text("\n".join(lines))
 
@@ -205,9 +223,12 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for s in strategies:
-        ax.plot(relax, [grid[(s, r)]["validation"]["ndcg@10"] for r in relax], "o-", label=f"{s} (val)")
-    ax.plot(relax, [grid[(best_s, r)]["test"]["ndcg@10"] for r in relax], "k--", label=f"{best_s} (test)")
+    for s_ in strategies:
+        rs_ = sorted(r for (s2, r) in grid if s2 == s_)
+        style = "o-" if len(rs_) > 1 else "s"
+        ax.plot(rs_, [grid[(s_, r)]["validation"]["ndcg@10"] for r in rs_], style, label=f"{s_} (val)")
+    rs_ = sorted(r for (s2, r) in grid if s2 == best_s)
+    ax.plot(rs_, [grid[(best_s, r)]["test"]["ndcg@10"] for r in rs_], "k--", label=f"{best_s} (test)")
     ax.set_xlabel("relax factor r")
     ax.set_ylabel("NDCG@10")
     ax.set_title("MetaBalance on Tmall (seed %d)" % seeds[0])
@@ -216,8 +237,9 @@ def main() -> None:
     fig.savefig(args.png, dpi=120)
     print("\n".join(lines))
     print(json.dumps({"benchmark": "metabalance_recsys", "seeds": seeds,
-                      "test_ndcg@10": {k: round(float(np.mean([r["test"]["ndcg@10"] for r in results[k]])), 5)
-                                       for k in order},
+                      "test_ndcg@10": {"Popularity (no training)": round(popularity["ndcg@10"], 5),
+                                       **{k: round(float(np.mean([r["test"]["ndcg@10"] for r in results[k]])), 5)
+                                          for k in order}},
                       "failed": sorted(failed)}))
 
 

@@ -132,3 +132,19 @@ def test_full_ranking_equals_brute_force(user_chunk, item_block):
     zero = ranking.full_ranking(model, params, num_users=9, num_items=13, heldout=train,
                                 exclude=[train], ks=(5,), user_chunk=user_chunk)
     assert zero["recall@5"] == 0.0
+
+
+def test_popularity_scorer_ranks_by_training_counts():
+    from ktx.models.recsys import PopularityScorer
+
+    # Item 3 bought 3 times, item 1 twice, item 0 once; users 0 and 1 hold out items 1 and 0.
+    train = np.array([[2, 3], [3, 3], [4, 3], [2, 1], [3, 1], [4, 0]])
+    scorer = PopularityScorer()
+    params = scorer.params(train, 5)
+    np.testing.assert_array_equal(params["counts"], [1, 2, 0, 3, 0])
+    got = ranking.full_ranking(scorer, params, num_users=5, num_items=5,
+                               heldout=np.array([[0, 1], [1, 0]]), exclude=[np.array([[0, 3]])],
+                               ks=(1, 2))
+    # User 0 (item 3 excluded) ranks 1 first: a hit at 1; user 1 ranks 3, 1, 0: a miss at 2.
+    assert got["recall@1"] == 0.5 and got["recall@2"] == 0.5
+    np.testing.assert_allclose(got["ndcg@2"], 0.5)
