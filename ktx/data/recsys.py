@@ -48,6 +48,7 @@ __all__ = [
     "read_pair_dir",
     "prepare_multibehavior",
     "load_tmall_pairs",
+    "data_size",
     "RecsysTrainInput",
     "user_item_lists",
 ]
@@ -343,6 +344,17 @@ def load_tmall_pairs(
                 f"exceed data_size.txt ({num_users} users, {num_items} items)"
             )
     return _assemble(num_users, num_items, target, auxiliaries, train, val, test)
+
+
+def data_size(data: MultiBehaviorData, what: str) -> int:
+    """`data.num_users` (`what="users"`), `data.num_items` ("items") or the number of
+    behaviours ("tasks"): lets gin size the model from the data it loads, e.g.
+    `NUM_USERS = @users/recsys_data.data_size()` with `users/recsys_data.data_size.what =
+    'users'` (see gin/experiments/recsys/user_behavior.gin)."""
+    sizes = {"users": data.num_users, "items": data.num_items, "tasks": len(data.behaviours)}
+    if what not in sizes:
+        raise ValueError(f"data_size(what={what!r}); accepted: {sorted(sizes)}")
+    return sizes[what]
 
 
 def _largest_remainder(total: int, sizes: Sequence[int]) -> tuple[int, ...]:

@@ -186,6 +186,8 @@ def full_ranking(
     ex = np.concatenate([np.asarray(e).reshape(-1, 2) for e in exclude]) if exclude else np.zeros((0, 2), np.int64)
     ex_ptr, ex_items = user_item_lists(ex, num_users)
     eval_users = np.flatnonzero(np.diff(rel_ptr) > 0)
+    if not len(eval_users):
+        raise ValueError("full_ranking: `heldout` has no (user, item) pair, so there is no user to rank")
     block = num_items if item_block is None else min(int(item_block), num_items)
     t0 = time.perf_counter()
     item_part = jax.jit(scorer.rank_item_part)(params)

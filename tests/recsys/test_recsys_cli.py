@@ -189,3 +189,39 @@ def test_early_stopping_metric_names():
         EarlyStopping("ndcg@10", 2).value_of({"a": {"ndcg@10": 1.0}, "b": {"ndcg@10": 1.0}})
     with pytest.raises(ValueError, match="early_stopping_patience"):
         EarlyStopping("ndcg@10", 0)
+
+
+def test_user_behavior_experiment_prepares_and_sizes_from_gin(tmp_path, capsys):
+    """The raw-log experiment file: preprocessing bound in gin, model sized from the
+    data, one epoch through `ktx train`."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for u in range(30):
+        for _ in range(20):
+            item = (u % 3) * 7 + int(rng.integers(0, 7))
+            action = rng.choice(["pv", "buy", "cart", "fav"], p=[0.3, 0.5, 0.1, 0.1])
+            rows.append(f"{100 + u},{500 + item},9,{action},1")
+    csv = tmp_path / "UserBehavior.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    model_dir = tmp_path / "ub"
+    rc = cli.main(["train", "--gin_file=experiments/recsys/user_behavior.gin",
+                   "--gin_file=runs/recsys_train.gin", f"--gin.USER_BEHAVIOR_CSV='{csv}'",
+                   f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIN_USER_PURCHASES=2",
+                   "--gin.MIN_ITEM_BUYERS=1", "--gin.MAX_EPOCHS=1", "--gin.RECSYS_BATCH_SIZE=32",
+                   "--gin.EMBED_DIM=8"])
+    assert rc == 0
+    data = R.prepare_multibehavior(
+        R.read_user_behavior(csv), target="buy", auxiliaries=("click", "collect", "cart"),
+        min_user_purchases=2, min_item_buyers=1, seed=0)
+    state = sorted(p.name for p in (model_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(state) == 1
+    from ktx.checkpoints import saved_param_shapes
+
+    shapes = saved_param_shapes(model_dir / "checkpoints" / state[0])
+    assert shapes["user_embedding/embedding"] == (data.num_users, 8)
+    assert shapes["item_embedding/embedding"] == (data.num_items, 8)
+    assert shapes["towers/layer_0_kernel"][0] == 4  # buy, click, collect, cart
+    ranked = [r for r in read_metrics(model_dir) if r["split"] == "validation_ranking"]
+    assert len(ranked) == 1 and ranked[0]["task"] == "buy"
+    with pytest.raises(ValueError, match="accepted"):
+        R.data_size(data, "rows")
