@@ -225,3 +225,21 @@ def test_user_behavior_experiment_prepares_and_sizes_from_gin(tmp_path, capsys):
     assert len(ranked) == 1 and ranked[0]["task"] == "buy"
     with pytest.raises(ValueError, match="accepted"):
         R.data_size(data, "rows")
+
+
+def test_recsys_run_on_a_2x4_mesh_and_eval_on_one_device(tmp_path, capsys):
+    """Tables split over the `model` axis (NUM_PARTITIONS=2 of 8 devices) through
+    training, in-run ranking and offline ranking of the checkpoint on another mesh."""
+    data_dir = _write_tmall_folder(tmp_path / "tmall")
+    model_dir = tmp_path / "sharded"
+    files = ["--gin_file=experiments/recsys/vanilla_multi.gin"]
+    rc = cli.main(["train", *files, "--gin_file=runs/recsys_train.gin",
+                   *_flags(data_dir, model_dir, "--gin.MAX_EPOCHS=1", "--gin.NUM_PARTITIONS=2")])
+    assert rc == 0
+    ranked = [r for r in read_metrics(model_dir) if r["split"] == "validation_ranking"]
+    assert len(ranked) == 1
+    capsys.readouterr()
+    rc = cli.main(["eval", *files, "--gin_file=runs/recsys_eval.gin", *_flags(data_dir, model_dir)])
+    assert rc == 0
+    offline = [r for r in read_metrics(model_dir / "eval") if r["split"] == "validation_ranking"]
+    assert offline[0]["ndcg@10"] == pytest.approx(ranked[0]["ndcg@10"], abs=1e-6)
