@@ -1,9 +1,11 @@
 """Speed of the MetaBalance recommendation workload on this machine (Tmall data).
 
 Measures (1) one training epoch of the shared-bottom model (batch 256, one negative per
-positive) with Vanilla-Multi and with MetaBalance, on the study's training path
-(`ktx.recsys_study.multi_step`: 64 steps per compiled call, state from
-`ktx.trainer.Trainer`, sparse per-task embedding gradients) on one device, (2) the full-ranking evaluation of the Tmall test users over all 11,953 items (each
+positive) with Vanilla-Multi and with MetaBalance on one device, on the study's training
+path (`ktx.recsys_study.multi_step`: 64 steps per compiled call, state from
+`ktx.trainer.Trainer`, sparse per-task embedding gradients) and, projected from 500
+steps, on the `ktx train` loop's path (one compiled step per call, prefetched batches);
+(2) the full-ranking evaluation of the Tmall test users over all 11,953 items (each
 user's training items excluded, as in the study), with the GFLOP/s it achieves next to
 a float32 matmul peak (a 2048^3 GEMM) measured in the same run, before and after.
 Targets: MetaBalance epoch <= 1.3x Vanilla-Multi's; full ranking < 120 s. The output
@@ -34,6 +36,7 @@ from ktx import optim
 from ktx import recsys_study
 from ktx.data import recsys as recsys_data
 from ktx.metrics import ranking
+from ktx.train import Prefetcher
 from ktx.trainer import Trainer
 from ktx import partitioning
 
@@ -78,6 +81,33 @@ def epoch_seconds(data, balancer, steps: int, seed: int = 0, steps_per_call: int
     return per_step * inp.steps_per_epoch, inp.steps_per_epoch
 
 
+def loop_epoch_seconds(data, balancer, steps: int = 500, seed: int = 0) -> float:
+    """Seconds of one epoch through the `ktx train` loop's path (one compiled
+    `Trainer.train_step` per step, batches from the background `Prefetcher`), projected
+    from `steps` timed steps after the first."""
+    model = recsys_study.build_model(data)
+    inp = recsys_data.RecsysTrainInput(data, batch_size=256, num_negatives=1, seed=seed)
+    mesh = partitioning.create_mesh(1, devices=jax.local_devices()[:1])
+    trainer = Trainer(model, recsys_study.adam_l2(), mesh=mesh, balancer=balancer,
+                      shared=model.shared_param_patterns if balancer is not None else None,
+                      sparse_tables=recsys_study.SPARSE_TABLES)
+    state = trainer.init_state(jax.random.key(seed), inp.get_batch(0))
+    rng = jax.random.key(seed + 1)
+    prefetcher = Prefetcher(inp, trainer, 0, steps + 1)
+    try:
+        batches = iter(prefetcher)
+        _, batch, counts, _ = next(batches)
+        state, m = trainer.train_step(state, batch, rng, counts)  # compile
+        jax.block_until_ready(m["loss"])
+        t = time.perf_counter()
+        for _, batch, counts, _ in batches:
+            state, m = trainer.train_step(state, batch, rng, counts)
+        jax.block_until_ready(m["loss"])
+        return (time.perf_counter() - t) / steps * inp.steps_per_epoch
+    finally:
+        prefetcher.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data_dir", default=None)
@@ -95,6 +125,10 @@ def main() -> None:
     out.update({"steps_per_epoch": steps, f"epoch_seconds_vanilla_multi{suffix}": round(vm, 2),
                 f"epoch_seconds_metabalance{suffix}": round(mb, 2),
                 "metabalance_over_vanilla": round(mb / vm, 3)})
+    out["epoch_seconds_ktx_train_loop_vanilla_multi_projected"] = round(
+        loop_epoch_seconds(data, optim.vanilla_multi()), 2)
+    out["epoch_seconds_ktx_train_loop_metabalance_projected"] = round(
+        loop_epoch_seconds(data, optim.metabalance(relax_factor=0.7)), 2)
     print(f"training: {out}", file=sys.stderr, flush=True)
 
     model = recsys_study.build_model(data)
