@@ -329,12 +329,15 @@ def parse_gin(
     bindings: Sequence[tuple[str, str]] = (),
     search_paths: Sequence[str] = (),
 ) -> list[pathlib.Path]:
-    """Parses gin files then `NAME=VALUE` bindings (unknown names are errors).
+    """Parses gin files then `NAME=VALUE` bindings (unknown names are errors) into a
+    fresh config: bindings, macros and singletons of an earlier parse in this process
+    (another `ktx.cli.main` call, a notebook cell) are cleared first.
 
     Returns the resolved file paths. Raises GinConfigError naming file/line/binding.
     """
     import gin
 
+    gin.clear_config()
     paths = [str(p) for p in search_paths if p] + [str(DEFAULT_GIN_DIR), os.getcwd()]
     for p in paths:
         gin.add_config_file_search_path(p)
