@@ -28,7 +28,7 @@ import optax
 
 from ktx import partitioning
 from ktx.checkpoints import resolve_checkpoint, restore_params
-from ktx.data.recsys import MultiBehaviorData
+from ktx.data.recsys import MultiBehaviorData, subsample_users, training_exclusions
 from ktx.eval import EvalSummary, select_checkpoint_steps, abstract_params_for
 from ktx.metrics.ranking import full_ranking
 from ktx.models.base import BaseModel
@@ -51,7 +51,7 @@ class RankingEvaluator:
       max_users: rank a fixed random subset of this many users (None: every user with
         held-out items).
       exclude: the user's training items left out of the ranking: "all" behaviours or
-        the "target"'s only (see `ktx.recsys_study.training_exclusions`).
+        the "target"'s only (see `ktx.data.recsys.training_exclusions`).
       user_chunk, item_block: the chunking of `full_ranking` (memory and speed only).
     """
 
@@ -66,8 +66,6 @@ class RankingEvaluator:
         user_chunk: int = 256,
         item_block: int | None = 256,
     ):
-        from ktx.recsys_study import subsample_users, training_exclusions
-
         if split not in SPLITS:
             raise ValueError(f"RankingEvaluator.split={split!r}; accepted: {SPLITS}")
         self.data = data

@@ -30,14 +30,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ktx import partitioning
 from ktx.data.recsys import MultiBehaviorData, RecsysTrainInput
-from ktx.metrics.ranking import full_ranking
 from ktx.models.base import BaseModel
 from ktx.models.recsys import RecsysModel
+from ktx.ranking_eval import RankingEvaluator
+from ktx.train import EarlyStopping
 from ktx.trainer import TrainState
 
 __all__ = [
     "SPARSE_TABLES", "adam_l2", "build_model", "train_step", "multi_step", "compile_multi_step",
-    "run_config", "subsample_users", "training_exclusions",
+    "run_config",
 ]
 
 
@@ -172,30 +173,6 @@ def compile_multi_step(
     return run
 
 
-def subsample_users(pairs: np.ndarray, max_users: int | None, seed: int = 0) -> np.ndarray:
-    """The held-out `pairs` of `max_users` users drawn without replacement (a fixed
-    subset for a given seed); all pairs when `max_users` is None or covers every user."""
-    if max_users is None:
-        return pairs
-    if not isinstance(max_users, int) or max_users < 1:
-        raise ValueError(f"max_users={max_users!r}: expected None or a positive int")
-    users = np.unique(pairs[:, 0])
-    if max_users >= len(users):
-        return pairs
-    keep = np.random.default_rng(seed).choice(users, max_users, replace=False)
-    return pairs[np.isin(pairs[:, 0], keep)]
-
-
-def training_exclusions(data: MultiBehaviorData, exclude: str = "all") -> list[np.ndarray]:
-    """The `(user, item)` pair arrays removed from every user's full ranking: every
-    behaviour's training pairs (`"all"`) or the target's (`"target"`)."""
-    if exclude == "all":
-        return [data.train[b] for b in data.behaviours]
-    if exclude == "target":
-        return [data.train[data.target]]
-    raise ValueError(f"exclude={exclude!r}; accepted: 'all', 'target'")
-
-
 def build_model(data: MultiBehaviorData, **model_kwargs: Any) -> RecsysModel:
     """`RecsysModel` sized for `data` (users, items, one task per behaviour)."""
     return RecsysModel(
@@ -302,17 +279,13 @@ def run_config(
     else:
         state = trainer.init_state(init_rng, train_input.get_batch(0))
 
-    excluded = training_exclusions(data, exclude)
-
-    def evaluate(params, pairs, max_users):
-        return full_ranking(
-            model, params, num_users=data.num_users, num_items=data.num_items,
-            heldout=subsample_users(pairs, max_users), exclude=excluded, ks=ks,
-        )
-
-    best = (-np.inf, -1, None)
+    validation = RankingEvaluator(data, split="validation", ks=ks, max_users=eval_max_users,
+                                  exclude=exclude)
+    test_ranking = RankingEvaluator(data, split="test", ks=ks, max_users=test_max_users,
+                                    exclude=exclude)
+    stopper = EarlyStopping("ndcg@10", patience)
+    best_params, best_val = None, None
     history, train_seconds, eval_seconds = [], [], 0.0
-    since_best = 0
     epoch = 0
     run_steps = compile_multi_step(trainer, train_input.task_counts(0), sparse_tables)
     for epoch in range(max_epochs):
@@ -332,25 +305,22 @@ def run_config(
         if (epoch + 1) % eval_every and epoch + 1 < max_epochs:
             continue
         t1 = time.perf_counter()
-        val = evaluate(state.params, data.validation, eval_max_users)
+        val = validation.rank(model, state.params)
         eval_seconds += time.perf_counter() - t1
         history.append(val["ndcg@10"])
         if log:
             log(f"epoch {epoch + 1}: loss {float(metrics['loss']):.4f} val ndcg@10 "
                 f"{val['ndcg@10']:.4f} ({train_seconds[-1]:.1f}s train)")
-        if val["ndcg@10"] > best[0]:
-            best = (val["ndcg@10"], epoch + 1, (jax.device_get(state.params), val))
-            since_best = 0
-        else:
-            since_best += 1
-            if since_best >= patience:
-                break
-    best_params, best_val = best[2]
+        stop = stopper.update(epoch + 1, {data.target: val})
+        if stopper.best_step == epoch + 1:
+            best_params, best_val = jax.device_get(state.params), val
+        if stop:
+            break
     t1 = time.perf_counter()
-    test = evaluate(best_params, data.test, test_max_users)
+    test = test_ranking.rank(model, best_params)
     eval_seconds += time.perf_counter() - t1
     return {
-        "best_epoch": best[1],
+        "best_epoch": stopper.best_step,
         "epochs": epoch + 1,
         "validation": best_val,
         "test": test,

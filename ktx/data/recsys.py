@@ -49,6 +49,8 @@ __all__ = [
     "prepare_multibehavior",
     "load_tmall_pairs",
     "data_size",
+    "subsample_users",
+    "training_exclusions",
     "RecsysTrainInput",
     "user_item_lists",
 ]
@@ -344,6 +346,30 @@ def load_tmall_pairs(
                 f"exceed data_size.txt ({num_users} users, {num_items} items)"
             )
     return _assemble(num_users, num_items, target, auxiliaries, train, val, test)
+
+
+def subsample_users(pairs: np.ndarray, max_users: int | None, seed: int = 0) -> np.ndarray:
+    """The held-out `pairs` of `max_users` users drawn without replacement (a fixed
+    subset for a given seed); all pairs when `max_users` is None or covers every user."""
+    if max_users is None:
+        return pairs
+    if not isinstance(max_users, int) or max_users < 1:
+        raise ValueError(f"max_users={max_users!r}: expected None or a positive int")
+    users = np.unique(pairs[:, 0])
+    if max_users >= len(users):
+        return pairs
+    keep = np.random.default_rng(seed).choice(users, max_users, replace=False)
+    return pairs[np.isin(pairs[:, 0], keep)]
+
+
+def training_exclusions(data: MultiBehaviorData, exclude: str = "all") -> list[np.ndarray]:
+    """The `(user, item)` pair arrays removed from every user's full ranking: every
+    behaviour's training pairs (`"all"`) or the target's (`"target"`)."""
+    if exclude == "all":
+        return [data.train[b] for b in data.behaviours]
+    if exclude == "target":
+        return [data.train[data.target]]
+    raise ValueError(f"exclude={exclude!r}; accepted: 'all', 'target'")
 
 
 def data_size(data: MultiBehaviorData, what: str) -> int:

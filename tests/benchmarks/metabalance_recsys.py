@@ -31,8 +31,8 @@ import numpy as np
 
 from ktx import cli, recsys_study
 from ktx.data import recsys as recsys_data
-from ktx.metrics.ranking import full_ranking
 from ktx.models.recsys import PopularityScorer
+from ktx.ranking_eval import RankingEvaluator
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENTS = REPO / "gin" / "experiments" / "recsys"
@@ -159,10 +159,8 @@ def main() -> None:
 
     # The non-personalised reference: items by training purchases, same users and exclusions.
     pop = PopularityScorer()
-    popularity = full_ranking(
-        pop, pop.params(data.train[data.target], data.num_items), num_users=data.num_users,
-        num_items=data.num_items, heldout=recsys_study.subsample_users(data.test, args.test_max_users or None),
-        exclude=recsys_study.training_exclusions(data, "all"), ks=(10, 20))
+    popularity = RankingEvaluator(data, split="test", max_users=args.test_max_users or None).rank(
+        pop, pop.params(data.train[data.target], data.num_items))
 
     order = [k for k in results if not k.startswith("MetaBalance (")] + [
         k for k in results if k.startswith("MetaBalance (")]

@@ -138,7 +138,7 @@ def main() -> None:
     all_users = len(np.unique(test[:, 0]))
     if args.eval_users > 0:
         test = test[np.isin(test[:, 0], np.unique(test[:, 0])[:args.eval_users])]
-    exclude = recsys_study.training_exclusions(data, "all")
+    exclude = recsys_data.training_exclusions(data, "all")
     # Compile on a few users first so compile time is not counted.
     ranking.full_ranking(model, params, num_users=data.num_users, num_items=data.num_items,
                          heldout=test[:64], exclude=exclude)
