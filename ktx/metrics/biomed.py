@@ -9,7 +9,8 @@ official MEDIQA-2019 evaluator (Ben Abacha et al., 2019) that the disease-knowle
 (He et al., 2020, "Infusing Disease Knowledge into BERT for Health Question Answering,
 Medical Inference and Disease Name Recognition", EMNLP) reports: answers with
 ReferenceScore 3 or 4 are correct; a system ranks each question's answers by its predicted
-score and labels an answer correct when that score exceeds a threshold.
+score and labels an answer correct when that score exceeds a threshold (see
+`answer_ranking_metrics` for what the official script's MRR counts).
 
 All values are percentages (0-100), as T5 reports its metrics.
 """
@@ -199,11 +200,20 @@ def answer_ranking_metrics(
       threshold: an answer is predicted correct when its score is > threshold. The default 2
         separates the targets of `ranking_target_score` exactly (correct ones lie above 2).
 
-    Per question the answers are ranked by predicted score, descending (ties keep input
-    order). accuracy: share of answers whose predicted label equals the gold label.
-    precision: correct among predicted-correct answers (0 when none is predicted correct).
-    MRR: mean over questions of 1/r, r the rank of the first answer that is predicted correct
-    and is correct; 0 for a question without one (as the official evaluator).
+    The system's submission, as the official evaluator reads it: per question, the answers
+    ranked by predicted score, descending (ties keep input order), each labelled 1 when its
+    score is above `threshold`.
+
+    accuracy: share of answers whose predicted label equals the gold label.
+    precision: gold-correct among predicted-correct answers (0 when none is predicted correct).
+    MRR, exactly as the official script (`Eval_Scripts/mediqa2019_evaluator_allTasks_final.py`
+    of github.com/abachaa/MEDIQA2019, `_evaluate_task_3`) computes it: walking each
+    question's submitted answers in the system's ranking order, it adds 1/rank for the
+    first answer the SYSTEM labels 1, without looking at the gold label of that answer;
+    a question with no answer labelled 1 adds 0; the sum is divided by the number of
+    questions of the gold file. Since one score both ranks and labels here, the first
+    predicted-correct answer is the top-ranked one, so MRR is the share of questions with
+    at least one answer predicted correct.
     """
     if len(targets) != len(predictions):
         raise ValueError(f"{len(targets)} targets but {len(predictions)} predictions")
@@ -224,9 +234,9 @@ def answer_ranking_metrics(
             positive = score > threshold
             agree += positive == correct
             predicted_positive += positive
-            if positive and correct:
-                true_positive += 1
-                rr = rr or 1.0 / rank
+            true_positive += positive and correct
+            if positive and not rr:  # the official script: the gold label is not consulted
+                rr = 1.0 / rank
         reciprocal_ranks.append(rr)
     return {
         "accuracy": 100 * agree / len(targets),

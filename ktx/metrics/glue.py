@@ -5,7 +5,8 @@ postprocessed values and report percentages (0-100) under T5's metric names, so 
 scores compare with the T5 (Raffel et al., 2020), HyperFormer (Karimi Mahabadi et al.,
 2021) and HyperPrompt (He et al., 2022) tables:
 
-* accuracy; binary F1 (MRPC, QQP); Matthews correlation (CoLA; Matthews, 1975);
+* accuracy; binary F1 (MRPC, QQP); Matthews correlation (CoLA; Matthews, 1975; an
+  invalid prediction is a class of its own, as T5 with sklearn);
   Pearson / Spearman correlation (STS-B); CB macro-F1 over its 3 classes;
 * MultiRC F1a (F1 over all answer options) and exact match (all answers of a question
   right), as SuperGLUE defines them (Wang et al., 2019);
@@ -165,11 +166,30 @@ def f1_binary(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, f
 
 
 def matthews_corrcoef(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
-    """{"matthews_corrcoef": 100 * MCC} (Matthews, 1975); 0 when undefined, as sklearn."""
+    """{"matthews_corrcoef": 100 * MCC} (Matthews, 1975; Gorodkin's multiclass form).
+
+    As T5 scores CoLA: its postprocessor `string_label_to_class_id` maps an invalid
+    generation to -1, and sklearn's `matthews_corrcoef` then treats -1 as a class of its
+    own (never a target), so an invalid prediction is not mapped to a real class. With
+    the K x K confusion matrix over the labels present, c = correct, s = total,
+    t_k / p_k = true / predicted counts of class k:
+
+        MCC = (c s - sum_k t_k p_k) / sqrt((s^2 - sum_k p_k^2) (s^2 - sum_k t_k^2))
+
+    0 when the denominator is 0, as sklearn. Binary labels give the usual
+    (tp tn - fp fn) / sqrt((tp + fp)(tp + fn)(tn + fp)(tn + fn)).
+    """
     _check(targets, predictions)
-    tp, fp, fn, tn = _binary_counts(targets, predictions)
-    denominator = np.sqrt(float(tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
-    mcc = 0.0 if denominator == 0 else (tp * tn - fp * fn) / denominator
+    t = np.asarray([_value(x) for x in targets], dtype=np.int64)
+    p = np.asarray([_value(x) for x in predictions], dtype=np.int64)
+    labels = np.union1d(t, p)
+    true_counts = np.array([np.sum(t == k) for k in labels], dtype=np.float64)
+    pred_counts = np.array([np.sum(p == k) for k in labels], dtype=np.float64)
+    correct, total = float(np.sum(t == p)), float(t.size)
+    covariance = correct * total - float(true_counts @ pred_counts)
+    denominator = np.sqrt((total**2 - float(pred_counts @ pred_counts))
+                          * (total**2 - float(true_counts @ true_counts)))
+    mcc = 0.0 if denominator == 0 else covariance / denominator
     return {"matthews_corrcoef": 100.0 * float(mcc)}
 
 

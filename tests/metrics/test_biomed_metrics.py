@@ -87,31 +87,52 @@ def _t(q, correct):
 
 
 def test_answer_ranking_metrics_hand_computed():
-    targets = [_t("q1", False), _t("q1", True), _t("q1", True), _t("q2", False), _t("q2", True)]
-    preds = [3.5, 2.5, 1.0, 2.1, float("nan")]
+    targets = [_t("q1", False), _t("q1", True), _t("q1", True), _t("q2", False), _t("q2", True),
+               _t("q3", True), _t("q3", False)]
+    preds = [3.5, 2.5, 1.0, 2.1, float("nan"), 1.5, 0.5]
     # q1 ranking: a1 (3.5, pred+, wrong), a2 (2.5, pred+, right), a3 (1.0, pred-, right)
-    #   -> first predicted-positive correct at rank 2: rr = 1/2; labels agree on a2 only.
-    # q2 ranking: a4 (2.1, pred+, wrong), a5 (nan -> -inf, pred-, right) -> rr = 0.
-    # accuracy = 1/5; precision = 1 / 3 predicted positive; MRR = (0.5 + 0) / 2.
+    #   -> the official MRR takes the first answer the system labels 1, a1 at rank 1,
+    #   although it is gold-wrong: rr = 1 (a gold-checked MRR would give 1/2).
+    # q2 ranking: a4 (2.1, pred+, wrong), a5 (nan -> -inf, pred-, right) -> rr = 1.
+    # q3: nothing predicted positive -> rr = 0.
+    # accuracy: a2, a7 agree = 2/7; precision = 1 right of 3 predicted positive;
+    # MRR = (1 + 1 + 0) / 3.
     out = m.answer_ranking_metrics(targets, preds)
-    assert out == pytest.approx({"accuracy": 20.0, "precision": 100 / 3, "mrr": 25.0})
+    assert out == pytest.approx({"accuracy": 100 * 2 / 7, "precision": 100 / 3, "mrr": 200 / 3})
+
+
+def test_answer_ranking_metrics_official_mrr_with_invalid_outputs():
+    """Generated texts through the task's postprocessor: unparseable text scores -1.0."""
+    from ktx.tasks import biomed
+
+    targets = [_t("q1", True), _t("q1", False), _t("q2", False), _t("q2", True), _t("q3", True)]
+    texts = ["junk", "2.9", "3.1", "", "n/a"]
+    preds = [biomed.postprocess_ranking(t) for t in texts]
+    assert preds == [-1.0, 2.9, 3.1, -1.0, -1.0]
+    # q1: 2.9 (pred+, wrong) at rank 1, junk (-1, pred-, right) -> rr 1 (official: gold not
+    # consulted); q2: 3.1 (pred+, wrong) rank 1 -> rr 1; q3: only junk -> rr 0.
+    # accuracy: no label agrees -> 0; precision 0 of 2; MRR (1 + 1 + 0) / 3.
+    out = m.answer_ranking_metrics(targets, preds)
+    assert out == pytest.approx({"accuracy": 0.0, "precision": 0.0, "mrr": 200 / 3})
 
 
 def test_answer_ranking_metrics_perfect_and_threshold():
     targets = [_t(1, True), _t(1, False), _t(2, False)]
     gold = [3.9, 1.5, 2.0]
     out = m.answer_ranking_metrics(targets, gold)
-    # q2 has no correct answer: MRR can reach only 1/2 (the official evaluator's definition).
+    # q2 has no correct answer and none predicted: MRR 1/2 (the official evaluator's definition).
     assert out == pytest.approx({"accuracy": 100.0, "precision": 100.0, "mrr": 50.0})
     out = m.answer_ranking_metrics(targets, gold, threshold=1.0)
     assert out["precision"] == pytest.approx(100 / 3)
+    assert out["mrr"] == pytest.approx(100.0)  # q2's 2.0 is now labelled 1, at rank 1
     assert m.answer_ranking_metrics(targets, [0.0, 0.0, 0.0])["precision"] == 0.0
 
 
 def test_answer_ranking_metrics_ties_keep_input_order():
-    targets = [_t("q", False), _t("q", True)]
-    out = m.answer_ranking_metrics(targets, [3.0, 3.0])
-    assert out["mrr"] == pytest.approx(50.0)
+    targets = [_t("q", False), _t("q", True), _t("q", True)]
+    out = m.answer_ranking_metrics(targets, [1.0, 3.0, 3.0])
+    assert out["mrr"] == pytest.approx(100.0)  # rank 1: the first of the two 3.0 answers
+    assert out["accuracy"] == pytest.approx(100.0)
     assert not math.isnan(out["accuracy"])
 
 

@@ -267,11 +267,12 @@ def test_ranking_task_targets_and_metrics(tmp_path, registered):
     assert examples[0]["question_id"] == "dev.xml:1"
     # Targets as predictions: all labels right, q1 first answer correct, q2 has none correct.
     assert _evaluate(task.name) == pytest.approx({"accuracy": 100.0, "precision": 100.0, "mrr": 50.0})
-    # q1 ranked: a3 (3.0, +, correct), a1 (2.5, +, wrong), a2 (1.0, -, correct) -> rr 1, 1/3
-    # labels agree; q2: a1 "junk" -> -1 (-, agrees), a2 2.1 (+, wrong) -> rr 0.
-    # accuracy 2/5, precision 1/3 predicted positive, MRR (1 + 0) / 2.
+    # q1 ranked: a3 (3.0, +, correct), a1 (2.5, +, wrong), a2 (1.0, -, correct) -> rr 1;
+    # q2: a2 2.1 (+, wrong) at rank 1, a1 "junk" -> -1 (-, agrees) -> rr 1: the official
+    # evaluator's MRR takes the first answer labelled 1 whatever its gold label.
+    # accuracy 2/5, precision 1/3 predicted positive, MRR (1 + 1) / 2.
     out = _evaluate(task.name, ["2.5", "1.0", "3.0", "junk", "2.1"])
-    assert out == pytest.approx({"accuracy": 40.0, "precision": 100 / 3, "mrr": 50.0})
+    assert out == pytest.approx({"accuracy": 40.0, "precision": 100 / 3, "mrr": 100.0})
 
 
 # ----------------------------------------------------------------------------- MedNLI

@@ -26,6 +26,28 @@ def test_matthews_hand_computed_and_degenerate():
     assert m.matthews_corrcoef([1, 0, 1], [1, 0, 1])["matthews_corrcoef"] == pytest.approx(100)
 
 
+def test_matthews_keeps_invalid_predictions_as_their_own_class():
+    """T5: `string_label_to_class_id` gives -1 for unknown text and sklearn's
+    matthews_corrcoef counts -1 as a third class (hand-computed, multiclass form)."""
+    # s=4, correct c=2; true counts (class -1, 0, 1) = (0, 2, 2), predicted = (2, 1, 1).
+    # cov = c s - t.p = 8 - (0 + 2 + 2) = 4; s^2 - p.p = 16 - 6 = 10; s^2 - t.t = 16 - 8 = 8.
+    out = m.matthews_corrcoef([1, 1, 0, 0], [1, -1, 0, -1])
+    assert out["matthews_corrcoef"] == pytest.approx(100 * 4 / math.sqrt(80))  # 44.72
+    # Mapping -1 to the wrong real class instead (1 - target) would give preds [1, 0, 0, 1]:
+    # tp = fp = fn = tn = 1 -> MCC 0, a 44.7-point difference.
+    assert m.matthews_corrcoef([1, 1, 0, 0], [1, 0, 0, 1])["matthews_corrcoef"] == 0.0
+    # Through the CoLA postprocessor: "acceptable", "maybe" (-> -1), "unacceptable" x 3.
+    post = m.string_label_to_class_id(("unacceptable", "acceptable"))
+    preds = [post(x) for x in ("acceptable", "maybe", "unacceptable", "unacceptable", "")]
+    assert preds == [1, -1, 0, 0, -1]
+    # targets (1, 1, 0, 0, 0): s=5, c=3; true (-1, 0, 1) = (0, 3, 2); pred = (2, 2, 1).
+    # cov = 15 - (0 + 6 + 2) = 7; s^2 - p.p = 25 - 9 = 16; s^2 - t.t = 25 - 13 = 12.
+    out = m.matthews_corrcoef([1, 1, 0, 0, 0], preds)
+    assert out["matthews_corrcoef"] == pytest.approx(100 * 7 / math.sqrt(16 * 12))  # 50.52
+    # All predictions invalid: predicted variance 0 -> 0, as sklearn.
+    assert m.matthews_corrcoef([1, 0, 1], [-1, -1, -1])["matthews_corrcoef"] == 0.0
+
+
 def test_correlations_hand_computed():
     # x deviations (-1, 0, 1), y deviations (-7/3, -1/3, 8/3): r = 5 / sqrt(2 * 114 / 9)
     r = m.pearson_corrcoef([1.0, 2.0, 3.0], [2.0, 4.0, 7.0])["pearson_corrcoef"]
