@@ -103,7 +103,8 @@ def _mismatch_message(where: str, saved: dict, expected: dict, missing_ok: bool)
 
 def saved_param_shapes(step_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """`{'/'-joined param path: shape}` of a saved step directory (`.../checkpoints/<step>`)."""
-    step_dir = pathlib.Path(step_dir)
+    # orbax reads no metadata through a relative path: always hand it an absolute one.
+    step_dir = pathlib.Path(step_dir).expanduser().absolute()
     metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
     tree = getattr(metadata, "item_metadata", metadata)
     tree = getattr(tree, "tree", tree)
@@ -115,7 +116,7 @@ def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> path
 
     Raises FileNotFoundError naming the path and what was looked for.
     """
-    p = pathlib.Path(path).expanduser()
+    p = pathlib.Path(path).expanduser().absolute()
     if (p / "state").is_dir():
         return p
     if (p / CHECKPOINTS_SUBDIR).is_dir():

@@ -7,10 +7,15 @@ imports gin).
 
 Flags: `--gin_file` (repeatable; later files override earlier ones), `--gin.NAME=VALUE`
 (a binding, applied after every file: `--gin.TRAIN_STEPS=100`,
-`--gin.train_script.train.log_period=10`), `--gin_search_paths` (comma-separated; the
-repository's `gin/` folder and the working directory are always searched),
-`--multihost` (calls `jax.distributed.initialize()` before anything else; off a managed
-cluster, `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` say where).
+`--gin.train_script.train.log_period=10`), `--gin_search_paths` (comma-separated;
+searched first, then ktx's own `gin/` folder, then the working directory: nothing a run
+writes into the working directory can shadow ktx's gin files), `--multihost` (calls
+`jax.distributed.initialize()` before anything else; off a managed cluster,
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I` say where), `--debug`
+(a run-time error raises with its traceback instead of the one `ktx: ...` line).
+
+Paths given in path macros (`PATH_MACROS`: MODEL_DIR, DATA_DIR, INITIAL_CHECKPOINT_PATH,
+...) and flags are relative to the working directory; they are made absolute here, once.
 
 Gin files use dynamic registration (`from __gin__ import dynamic_registration`) and T5X's
 names: `import ktx.train as train_script` then `train_script.train.model = %MODEL`. A gin
@@ -33,6 +38,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "GinConfigError", "main", "parse_gin", "build_parser", "check_required_macros", "DEFAULT_GIN_DIR",
+    "PATH_MACROS", "absolute_path", "gin_search_path",
 ]
 
 DEFAULT_GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
@@ -57,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     parser.add_argument("--gin_search_paths", default="", help="comma-separated folders")
     parser.add_argument("--multihost", action="store_true", help="jax.distributed.initialize()")
+    parser.add_argument("--debug", action="store_true",
+                        help="let a run-time error raise with its traceback")
     parser.add_argument(
         "--coordinator_address", default=None,
         help="--multihost off a managed cluster: host:port of process 0",
@@ -91,8 +99,8 @@ def _analyze(args, bindings: Sequence[tuple[str, str]] = ()) -> int:
         raise GinConfigError(f"ktx analyze {' '.join(args.args)}: accepted: {_ANALYZE_USAGE}")
     from ktx.optim import plot_gradient_magnitudes
 
-    run_dir = pathlib.Path(args.args[1])
-    out = pathlib.Path(args.out) if args.out else run_dir / "gradient_magnitudes.png"
+    run_dir = pathlib.Path(absolute_path(args.args[1]))
+    out = pathlib.Path(absolute_path(args.out)) if args.out else run_dir / "gradient_magnitudes.png"
     path = plot_gradient_magnitudes(run_dir / "metrics.jsonl", out)
     print(f"wrote {path}")
     return 0
@@ -109,6 +117,7 @@ def _analyze_attention(args, bindings: Sequence[tuple[str, str]]) -> int:
             raise GinConfigError(f"ktx analyze attention: --{flag} is required; usage: {_ANALYZE_USAGE}")
     if args.max_examples < 1:
         raise GinConfigError(f"--max_examples={args.max_examples}; accepted: an int >= 1")
+    args.out_dir = absolute_path(args.out_dir)
     import gin
 
     parse_gin(args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p])
@@ -145,7 +154,7 @@ def _analyze_attention(args, bindings: Sequence[tuple[str, str]]) -> int:
     features = fc.widen(fc.add_task_id(fc.convert_enc_dec(
         rows, lengths["inputs"], lengths["targets"]), names.index(args.task)))
     step, path = (int(args.checkpoint), _query_macro("MODEL_DIR")) if args.checkpoint.isdigit() \
-        else (None, args.checkpoint)
+        else (None, absolute_path(args.checkpoint))
     if path is None or repr(path) == "%gin.REQUIRED":
         raise GinConfigError(f"--checkpoint={args.checkpoint} is a step: set --gin.MODEL_DIR")
     batches = [{k: v[i:i + 32] for k, v in features.items()}
@@ -209,19 +218,35 @@ def _find_file(name: str, search_paths: Sequence[str]) -> pathlib.Path:
 _LOCATION = re.compile(r'In (?:file "(?P<file>[^"]+)", line (?P<line>\d+)|bindings string line (?P<bline>\d+))')
 
 
+def _import_aliases(files: Sequence[pathlib.Path]) -> dict[str, str]:
+    """`{alias: module}` of the `import X as Y` lines of the files and their includes."""
+    aliases: dict[str, str] = {}
+    todo, seen = [pathlib.Path(f) for f in files], set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        try:
+            text = f.read_text()
+        except OSError:
+            continue
+        for mod, alias in re.findall(r"^\s*import\s+([\w.]+)(?:\s+as\s+(\w+))?", text, re.M):
+            aliases[alias or mod] = mod
+        for inc in re.findall(r"^\s*include\s+['\"]([^'\"]+)['\"]", text, re.M):
+            for base in (f.parent, DEFAULT_GIN_DIR):
+                if (base / inc).is_file():
+                    todo.append(base / inc)
+                    break
+    return aliases
+
+
 def _resolve_selector(selector: str, files: Sequence[pathlib.Path]):
     """The Python object a gin selector names, through the files' `import X as Y`
     lines (dynamic registration) or gin's registry (legacy registration)."""
     import gin
 
-    aliases = {}
-    for f in files:
-        try:
-            text = pathlib.Path(f).read_text()
-        except OSError:
-            continue
-        for mod, alias in re.findall(r"^\s*import\s+([\w.]+)(?:\s+as\s+(\w+))?", text, re.M):
-            aliases[alias or mod] = mod
+    aliases = _import_aliases(files)
     for alias, mod in sorted(aliases.items(), key=lambda kv: -len(kv[0])):
         if selector.startswith(alias + "."):
             obj = sys.modules.get(mod) or importlib.import_module(mod)
@@ -231,8 +256,8 @@ def _resolve_selector(selector: str, files: Sequence[pathlib.Path]):
                     return None
             return obj
     try:
-        return gin.config._REGISTRY.get_match(selector).wrapped
-    except Exception:  # noqa: BLE001 - no match: no suggestion
+        return gin.get_configurable(selector)
+    except ValueError:  # no match: no suggestion
         return None
 
 
@@ -245,8 +270,14 @@ def _close_names(message: str, files: Sequence[pathlib.Path] = ()) -> list[str]:
         selector = m.group(1)
         module_alias, _, attr = selector.rpartition(".")
         candidates = []
-        for full in list(gin.config._REGISTRY.keys()) if hasattr(gin.config, "_REGISTRY") else []:
-            candidates.append(str(full))
+        # Attributes of the module the gin files import under that alias.
+        aliases = _import_aliases(files)
+        if module_alias in aliases:
+            try:
+                mod = importlib.import_module(aliases[module_alias])
+                candidates += [f"{module_alias}.{a}" for a in dir(mod) if not a.startswith("_")]
+            except ImportError:
+                pass
         # Attributes of the imported module (dynamic registration).
         for mod in list(sys.modules.values()):
             name = getattr(mod, "__name__", "")
@@ -281,10 +312,18 @@ def _close_names(message: str, files: Sequence[pathlib.Path] = ()) -> list[str]:
     return []
 
 
-def _known_macros() -> list[str]:
+_MACRO_LINE = re.compile(r"^([A-Z_][A-Z0-9_]*) = (.*)$", re.M)
+
+
+def _macro_values() -> dict[str, str]:
+    """`{macro: value as gin prints it}` of the current config (gin.config_str)."""
     import gin
 
-    return [scope for (scope, selector) in gin.config._CONFIG if selector == "gin.macro"]
+    return dict(_MACRO_LINE.findall(gin.config_str()))
+
+
+def _known_macros() -> list[str]:
+    return list(_macro_values())
 
 
 def _gin_error(e: Exception, files: Sequence[pathlib.Path], bindings: Sequence[tuple[str, str]]) -> GinConfigError:
@@ -324,6 +363,61 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+def _set_gin_search_path(paths: Sequence[str]) -> None:
+    """Makes gin resolve relative file names (`include 'runs/train.gin'`) in `paths`'
+    order, then as gin itself does (working directory, Python packages).
+
+    gin puts the working directory before every search path and gives no way to reorder
+    them, so a user's output folder `runs/` would shadow ktx's `runs/*.gin` (and, when
+    the working directory is on `sys.path`, break gin's package reader on the namespace
+    package `runs`). The order is set here, at the only module that imports gin.
+    """
+    from gin import config as gin_config
+
+    prefixes = list(dict.fromkeys(str(p) for p in paths)) + [""]
+    gin_config._LOCATION_PREFIXES[:] = prefixes  # noqa: SLF001 - see the docstring
+
+
+def gin_search_path(extra: Sequence[str] = ()) -> list[str]:
+    """The gin search path: `extra` (`--gin_search_paths`), ktx's gin folder, then the
+    working directory. ktx's own files come before the working directory, so nothing a
+    run writes there (a `runs/` output folder) can shadow them."""
+    return [str(pathlib.Path(p).expanduser().resolve()) for p in extra if p] + [
+        str(DEFAULT_GIN_DIR), os.getcwd()]
+
+
+# Macros that hold a path: a relative value is resolved against the working directory
+# once, here, so every library function (orbax included) sees an absolute path.
+PATH_MACROS = (
+    "MODEL_DIR", "DATA_DIR", "INITIAL_CHECKPOINT_PATH", "CHECKPOINT_PATH", "INFER_OUTPUT_FILE",
+    "USER_BEHAVIOR_CSV",
+)
+_URL = re.compile(r"^[A-Za-z][\w+.-]*://")
+_SOURCE_PREFIX = re.compile(r"^(hf|t5x):(.*)$", re.S)
+
+
+def absolute_path(value: str) -> str:
+    """`value` made absolute against the working directory (`~` expanded); URLs
+    (`gs://...`) are kept as they are and `hf:`/`t5x:` sources keep their prefix."""
+    if _URL.match(value):
+        return value
+    m = _SOURCE_PREFIX.match(value)
+    if m:
+        return f"{m.group(1)}:{absolute_path(m.group(2))}"
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def _absolutize_path_macros() -> None:
+    import gin
+
+    for name in PATH_MACROS:
+        value = _query_macro(name)
+        if isinstance(value, (str, os.PathLike)) and str(value):
+            resolved = absolute_path(str(value))
+            if resolved != str(value):
+                gin.parse_config(f"{name} = {resolved!r}")
+
+
 def parse_gin(
     gin_files: Sequence[str],
     bindings: Sequence[tuple[str, str]] = (),
@@ -333,16 +427,17 @@ def parse_gin(
     fresh config: bindings, macros and singletons of an earlier parse in this process
     (another `ktx.cli.main` call, a notebook cell) are cleared first.
 
+    Files are looked up in `gin_search_path(search_paths)` order; path macros
+    (`PATH_MACROS`) are made absolute against the working directory.
+
     Returns the resolved file paths. Raises GinConfigError naming file/line/binding.
     """
     import gin
 
     gin.clear_config()
-    paths = [str(p) for p in search_paths if p] + [str(DEFAULT_GIN_DIR), os.getcwd()]
-    for p in paths:
-        gin.add_config_file_search_path(p)
+    paths = gin_search_path(search_paths)
+    _set_gin_search_path(paths)
     files = [_find_file(f, paths) for f in gin_files]
-    binding_lines = [f"{name} = {value}" for name, value in bindings]
     errors = (
         ValueError, NameError, AttributeError, ImportError, TypeError, SyntaxError, KeyError, OSError,
     )
@@ -368,11 +463,19 @@ def parse_gin(
                 + (f"\n  close names: {', '.join(close)}" if close else
                    f"\n  macros defined: {', '.join(sorted(macros))}")
             )
-    try:
-        if binding_lines:
-            gin.parse_config(binding_lines)
-    except errors as e:
-        raise _gin_error(e, files, bindings) from e
+    # One binding at a time, so that an error names its flag.
+    for i, (name, value) in enumerate(bindings):
+        try:
+            gin.parse_config(f"{name} = {value}")
+        except SyntaxError as e:
+            raise GinConfigError(
+                f"gin error at --gin.{name}={value}: {value!r} is not a gin value; accepted: "
+                f"a Python literal (a string needs quotes: --gin.{name}=\"'{value}'\"), "
+                f"@configurable() or %MACRO"
+            ) from e
+        except errors as e:
+            raise _gin_error(e, files, [(name, value)]) from e
+    _absolutize_path_macros()
     return files
 
 
@@ -403,12 +506,7 @@ def _declarations(files: Sequence[pathlib.Path], search: Sequence[str]) -> dict[
 def check_required_macros(files: Sequence[pathlib.Path], search: Sequence[str] = ()) -> None:
     """Raises GinConfigError naming every macro still bound to `%gin.REQUIRED`, the
     file and line declaring it, and the flag that sets it."""
-    import gin
-
-    unset = [
-        scope for (scope, selector), params in gin.config._CONFIG.items()
-        if selector == "gin.macro" and repr(params.get("value")) == "%gin.REQUIRED"
-    ]
+    unset = [name for name, value in _macro_values().items() if value.strip() == "%gin.REQUIRED"]
     if not unset:
         return
     where = _declarations(files, [*search, str(DEFAULT_GIN_DIR)])
@@ -490,6 +588,57 @@ def _params_command(files, bindings) -> None:
     print(params_lib.format_report(report, name=type(model).__name__))
 
 
+def _check_run_macros(command: str) -> None:
+    """Edge checks whose library error would name an inner argument instead of the flag."""
+    steps = _query_macro("TRAIN_STEPS")
+    if command == "train" and steps is not None and repr(steps) != "%gin.REQUIRED":
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise GinConfigError(f"TRAIN_STEPS={steps!r}; accepted: an integer >= 1 "
+                                 "(--gin.TRAIN_STEPS=1000)")
+    name = _query_macro("MIXTURE_OR_TASK_NAME")
+    if isinstance(name, str):
+        import seqio
+
+        import ktx.tasks  # noqa: F401  (registers the tasks)
+
+        known = sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+            raise GinConfigError(
+                f"MIXTURE_OR_TASK_NAME={name!r} is not a registered SeqIO task or mixture"
+                + (f"; close names: {', '.join(close)}" if close else "")
+                + " (register it in a module the gin file imports: docs/adding_a_task.md)")
+
+
+def _first_line(e: BaseException) -> str:
+    """The user-facing part of an exception: gin's "In call to configurable" trailer
+    and chained context dropped."""
+    text = str(e).split("\n  In call to configurable")[0].strip()
+    return text or type(e).__name__
+
+
+def _report_failure(e: BaseException, command: str) -> None:
+    """One `ktx: ...` line on stderr; the traceback goes to MODEL_DIR/ktx_error.log
+    (or a temporary file) and the line says where."""
+    import tempfile
+    import traceback
+
+    trace = "".join(traceback.format_exception(e))
+    model_dir = _query_macro("MODEL_DIR") if command != "analyze" else None
+    log = None
+    for folder in ([model_dir] if isinstance(model_dir, str) else []) + [tempfile.gettempdir()]:
+        try:
+            pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
+            log = pathlib.Path(folder) / "ktx_error.log"
+            log.write_text(trace)
+            break
+        except OSError:
+            log = None
+    kind = "" if isinstance(e, (ValueError, FileNotFoundError, TypeError)) else f"{type(e).__name__}: "
+    where = f" (traceback in {log}; --debug shows it here)" if log else " (--debug shows the traceback)"
+    print(f"ktx {command}: {kind}{_first_line(e)}{where}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -498,15 +647,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ktx: {e}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(rest)
-    if args.command == "analyze":
-        try:
-            return _analyze(args, bindings)
-        except (GinConfigError, FileNotFoundError, ValueError) as e:
-            print(f"ktx: {e}", file=sys.stderr)
-            return 2
-    if args.args:
+    if args.args and args.command != "analyze":
         print(f"ktx {args.command}: unexpected arguments {args.args}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, bindings)
+    except GinConfigError as e:
+        print(f"ktx: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the CLI edge: one line, traceback to a file
+        if args.debug:
+            raise
+        _report_failure(e, args.command)
+        return 1
+
+
+def _run(args, bindings) -> int:
+    if args.command == "analyze":
+        return _analyze(args, bindings)
     if args.multihost:
         import jax
 
@@ -517,34 +675,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_processes=args.num_processes,
             process_id=args.process_id,
         )
-    try:
-        files = parse_gin(
-            args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p]
+    files = parse_gin(args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p])
+    data_dir = _query_macro("DATA_DIR")
+    if data_dir:
+        os.environ["KTX_DATA_DIR"] = str(data_dir)
+    if args.command == "params":
+        _params_command(files, bindings)
+        return 0
+    _check_run_macros(args.command)
+    model_dir = _query_macro("MODEL_DIR")
+    if args.command == "train":
+        _call_entry(
+            "train", files, bindings,
+            {"started_callback": lambda: _write_config(model_dir)},
         )
-        data_dir = _query_macro("DATA_DIR")
-        if data_dir:
-            os.environ["KTX_DATA_DIR"] = str(data_dir)
-        if args.command == "params":
-            _params_command(files, bindings)
-            return 0
-        model_dir = _query_macro("MODEL_DIR")
-        if args.command == "train":
-            _call_entry(
-                "train", files, bindings,
-                {"started_callback": lambda: _write_config(model_dir)},
-            )
-            _write_config(model_dir)
-        elif args.command == "eval":
-            from ktx.eval import format_table
+        _write_config(model_dir)
+    elif args.command == "eval":
+        from ktx.eval import format_table
 
-            summary = _call_entry("eval", files, bindings)
-            _write_config(pathlib.Path(model_dir) / "eval" if model_dir else None)
-            print(format_table(summary))
-        else:
-            _call_entry("infer", files, bindings)
-    except GinConfigError as e:
-        print(f"ktx: {e}", file=sys.stderr)
-        return 2
+        summary = _call_entry("eval", files, bindings)
+        _write_config(pathlib.Path(model_dir) / "eval" if model_dir else None)
+        print(format_table(summary))
+    else:
+        _call_entry("infer", files, bindings)
     return 0
 
 

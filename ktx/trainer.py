@@ -271,7 +271,7 @@ class Trainer:
       balancer: an optional `ktx.optim` balancer (GradientTransformationExtraArgs);
         when given, the step computes per-task gradients and uses
         `optax.chain(balancer, optimizer)`.
-      schedule: the learning-rate schedule, only to report `learning_rate`.
+      schedule: the learning-rate schedule (or a number), only to report `learning_rate`.
       num_microbatches: gradient accumulation factor (divides the global batch).
       grad_method: "auto" | "blocks" | "vjp", passed to `compute_task_gradients`.
       shared: regexes of balanced parameters (None: the engine's default).
@@ -307,6 +307,9 @@ class Trainer:
         self.balancer = balancer
         self.tx = optax.chain(balancer, optimizer) if balancer is not None else optimizer
         self.tx_parts = (balancer, optimizer) if balancer is not None else None
+        # A learning rate given as a number (optax accepts one) is reported as constant.
+        if schedule is not None and not callable(schedule):
+            schedule = optax.constant_schedule(float(schedule))
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.grad_method = grad_method

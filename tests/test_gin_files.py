@@ -16,8 +16,10 @@ _SKIP_DIRS = {".venv", ".git", "node_modules", "build", "dist"}
 
 
 def _gin_files() -> list[pathlib.Path]:
+    # ktx's gin files live under gin/; run directories (a quickstart's runs/, with its
+    # operative config.gin) are outputs, not sources.
     return sorted(
-        p for p in REPO.rglob("*.gin")
+        p for p in (REPO / "gin").rglob("*.gin")
         if not _SKIP_DIRS.intersection(p.relative_to(REPO).parts)
     )
 
