@@ -10,38 +10,53 @@ the decoder and their layers through T5's extension points:
 | `hyperprompt`     | HyperPrompt-{Share,Sep,Global} key/value prompts (He et al., 2022) | `attention_prefix` |
 | `prompt_tuning`   | per-task input prompts (Lester et al., 2021)              | `Encoder.input_prompt` |
 | `adapters`        | per-task Houlsby adapters (Houlsby et al., 2019)          | `adapt` |
-| `hyperformer`     | per-layer hypernetwork adapters + conditional layer norm (Karimi Mahabadi et al., 2021) | `adapt`, `layer_norm` |
-| `hyperformer++`   | one hypernetwork for all layers (ditto)                   | `adapt`, `layer_norm` |
+| `hyperformer`     | hypernetwork-generated adapters with a generated layer norm, generators per position (Karimi Mahabadi et al., 2021) | `adapt` |
+| `hyperformer++`   | one generator for all layers and positions (ditto)        | `adapt` |
 
-Adapter positions: encoder layer 0 = attention, 1 = mlp; decoder layer 0 = self-attention,
-1 = cross-attention, 2 = mlp (the layer-norm positions are the pre-norms of the same
-sub-blocks). Every layer asks the conditioner for its own slot; the conditioner computes it
-for all T tasks at once and gathers per example by `task_id`.
+Adapter positions (`ConditioningConfig.adapter_positions`, default `("attention", "mlp")`,
+the positions of Houlsby et al. and of the HyperFormer code): after the self-attention and
+after the feed-forward sub-block of every layer, inside the residual
+(`x + dropout(adapter(y))`); `"cross_attention"` adds one after the decoder's
+cross-attention. Position `a` of a side is its `a`-th configured position in the order
+attention, cross-attention, mlp (the encoder has no cross-attention). Every layer asks the
+conditioner for its own slot; the conditioner computes it for all T tasks at once and
+gathers per example by `task_id`.
 
 The backbone parameters keep plain T5's names and shapes, so a plain T5 checkpoint loads
-into the backbone, and `ConditionedEncoderDecoderModel(train_backbone=False)` trains only
-the `conditioning` parameters (the backbone's gradients are stopped inside the loss, so any
-optimizer leaves it unchanged).
+into the backbone. Which parameters train is declared as regexes over '/'-joined parameter
+paths (`frozen_patterns`, the format of `ktx.optimizers.freeze`):
+`ConditionedEncoderDecoderModel(train_backbone=False)` freezes every parameter outside
+`conditioning`, except T5's own layer norms with `train_layer_norms=True` (HyperFormer's
+configuration: T5's layer norms, the hypernetworks and the task embeddings train). The
+model stops the frozen parameters' gradients inside the loss; `model.frozen_patterns`
+handed to `ktx.optimizers.freeze` also gives them no optimizer update at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import flax.linen as nn
 import jax
 
-from ktx.conditioning.adapters import AdapterWeights, TaskAdapters, apply_adapter
+from ktx.conditioning.adapters import (
+    ADAPTER_ACTIVATIONS,
+    TaskAdapters,
+    apply_adapter,
+)
 from ktx.conditioning.hyper_prompt import HYPER_PROMPT_VARIANTS, HyperPrompt
 from ktx.conditioning.hyperformer import HyperFormer
 from ktx.conditioning.prompt_tuning import PromptTuning
-from ktx.conditioning.task_embedding import gather_by_task
+from ktx.conditioning.task_embedding import TaskEmbedding, gather_by_task
 from ktx.models import seq2seq, t5
-from ktx.params import is_conditioning_path
+from ktx.params import CONDITIONING_SCOPE
 
 __all__ = [
     "METHODS",
+    "ADAPTER_POSITIONS",
+    "T5_LAYER_NORM_PATTERN",
     "ConditioningConfig",
     "Conditioner",
     "ConditionedEncoderLayer",
@@ -51,18 +66,16 @@ __all__ = [
     "ConditionedTransformer",
     "ConditionedEncoderDecoderModel",
     "conditioned_model",
+    "frozen_patterns",
     "trainable_mask",
 ]
 
 METHODS = ("none", "hyperprompt", "prompt_tuning", "adapters", "hyperformer", "hyperformer++")
-ENCODER_POSITIONS = {"attention": 0, "mlp": 1}
-DECODER_POSITIONS = {"attention": 0, "cross_attention": 1, "mlp": 2}
-ENCODER_NORMS = {"pre_attention_layer_norm": 0, "pre_mlp_layer_norm": 1}
-DECODER_NORMS = {
-    "pre_self_attention_layer_norm": 0,
-    "pre_cross_attention_layer_norm": 1,
-    "pre_mlp_layer_norm": 2,
-}
+ADAPTER_POSITIONS = ("attention", "cross_attention", "mlp")  # in layer order
+# T5's own (RMS) layer norms: the pre-norms of every sub-block and the final norms.
+T5_LAYER_NORM_PATTERN = (
+    r"(?:encoder|decoder)/(?:layers_\d+/pre_\w*layer_norm|encoder_norm|decoder_norm)/scale"
+)
 _SIDES = ("encoder", "decoder")
 
 
@@ -81,7 +94,12 @@ class ConditioningConfig:
       task_embed_dim: t' (task/layer/position embeddings).
       task_hidden_dim: e, hidden size of the task projector MLP.
       projected_dim: t, size of the (layer-aware) projected task embedding.
-      conditional_layer_norm: HyperFormer(++) also generates the pre-norm scales.
+      conditional_layer_norm: HyperFormer(++) generates the scale and bias of a layer norm
+        inside every adapter (the paper's conditional layer norm); False: no adapter norm.
+      adapter_positions: where adapters (Houlsby and HyperFormer) sit, a subset of
+        `ADAPTER_POSITIONS`; default after self-attention and after the feed-forward block.
+      adapter_activation: the adapters' nonlinearity, one of `ADAPTER_ACTIVATIONS`
+        ("gelu_new", the tanh-approximate GELU of the HyperFormer code, or "relu").
     """
 
     method: str = "none"
@@ -94,6 +112,8 @@ class ConditioningConfig:
     task_hidden_dim: int = 128
     projected_dim: int = 64
     conditional_layer_norm: bool = True
+    adapter_positions: tuple[str, ...] = ("attention", "mlp")
+    adapter_activation: str = "gelu_new"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -111,6 +131,30 @@ class ConditioningConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ConditioningConfig.{name}={v!r}; accepted: an int >= 1")
+        positions = self.adapter_positions
+        if (
+            isinstance(positions, str) or not isinstance(positions, (tuple, list))
+            or not positions or any(p not in ADAPTER_POSITIONS for p in positions)
+            or len(set(positions)) != len(positions)
+        ):
+            raise ValueError(
+                f"ConditioningConfig.adapter_positions={positions!r}; accepted: a non-empty "
+                f"sequence of distinct names from {ADAPTER_POSITIONS}"
+            )
+        object.__setattr__(
+            self, "adapter_positions", tuple(p for p in ADAPTER_POSITIONS if p in positions)
+        )
+        if self.adapter_activation not in ADAPTER_ACTIVATIONS:
+            raise ValueError(
+                f"ConditioningConfig.adapter_activation={self.adapter_activation!r}; "
+                f"accepted: {sorted(ADAPTER_ACTIVATIONS)}"
+            )
+
+    def positions(self, side: str) -> dict[str, int]:
+        """`{sub-block name: adapter position index}` of one side ("encoder"/"decoder")."""
+        names = [p for p in self.adapter_positions
+                 if side == "decoder" or p != "cross_attention"]
+        return {name: i for i, name in enumerate(names)}
 
     def bottleneck(self, emb_dim: int) -> int:
         return max(1, emb_dim // self.reduction_factor)
@@ -131,7 +175,7 @@ class Conditioner(nn.Module):
         c, cfg, T = self.conditioning, self.config, self.num_tasks
         dtype = cfg.activation_dtype
         layers = {"encoder": cfg.num_encoder_layers, "decoder": cfg.num_decoder_layers}
-        positions = {"encoder": len(ENCODER_POSITIONS), "decoder": len(DECODER_POSITIONS)}
+        positions = {side: len(c.positions(side)) for side in _SIDES}
         b = c.bottleneck(cfg.emb_dim)
         self.input_prompts = None
         if c.method == "hyperprompt":
@@ -155,6 +199,8 @@ class Conditioner(nn.Module):
                     emb_dim=cfg.emb_dim, bottleneck_dim=b,
                 ))
         elif c.method in ("hyperformer", "hyperformer++"):
+            # One task embedding per task, shared by the encoder's and decoder's generators.
+            self._register("task_embedding", TaskEmbedding(T, c.task_embed_dim))
             for side in _SIDES:
                 self._register(f"{side}_hyperformer", HyperFormer(
                     shared=c.method == "hyperformer++", num_tasks=T, num_layers=layers[side],
@@ -192,39 +238,17 @@ class Conditioner(nn.Module):
         module = self._adapter_module(side)
         if module is None:
             return None
-        out = module(layer, position)
-        weights = out if isinstance(out, AdapterWeights) else out[0]
+        if isinstance(module, HyperFormer):
+            weights = module(self.task_embedding(), layer, position)
+        else:
+            weights = module(layer, position)
         return weights.gather(task_id, axis=0)
-
-    def layer_norm_scale(
-        self, side: str, layer: int, position: int, task_id: jax.Array
-    ) -> jax.Array | None:
-        """Task-conditional layer-norm scale `[B, E]` (HyperFormer), or None."""
-        module = self._adapter_module(side)
-        if not isinstance(module, HyperFormer) or not module.conditional_layer_norm:
-            return None
-        _, scales = module(layer, position)  # [T, E]
-        return gather_by_task(scales, task_id)
 
 
 class _ConditionedHooks:
     """T5 layer hooks that ask the shared `Conditioner` for this layer's slot."""
 
     side: str
-    norms: dict
-    positions: dict
-
-    def layer_norm(self, x, task_id, *, name):
-        y = super().layer_norm(x, task_id, name=name)
-        if self.conditioner is None:
-            return y
-        scale = self.conditioner.layer_norm_scale(
-            self.side, self.layer_index, self.norms[name], task_id
-        )
-        if scale is None:
-            return y
-        # gamma_t multiplies the backbone's own RMS-norm scale (starts near 1).
-        return y * scale[:, None, :].astype(y.dtype)
 
     def attention_prefix(self, x, task_id, *, name):
         if self.conditioner is None:
@@ -234,24 +258,24 @@ class _ConditionedHooks:
     def adapt(self, y, task_id, *, name, deterministic):
         if self.conditioner is None:
             return y
-        weights = self.conditioner.adapter(
-            self.side, self.layer_index, self.positions[name], task_id
-        )
-        return y if weights is None else apply_adapter(y, weights)
+        conditioning = self.conditioner.conditioning
+        position = conditioning.positions(self.side).get(name)
+        if position is None:
+            return y
+        weights = self.conditioner.adapter(self.side, self.layer_index, position, task_id)
+        if weights is None:
+            return y
+        return apply_adapter(y, weights, activation=conditioning.adapter_activation)
 
 
 class ConditionedEncoderLayer(_ConditionedHooks, t5.EncoderLayer):
     conditioner: Any = None
     side = "encoder"
-    norms = ENCODER_NORMS
-    positions = ENCODER_POSITIONS
 
 
 class ConditionedDecoderLayer(_ConditionedHooks, t5.DecoderLayer):
     conditioner: Any = None
     side = "decoder"
-    norms = DECODER_NORMS
-    positions = DECODER_POSITIONS
 
 
 class ConditionedEncoder(t5.Encoder):
@@ -311,12 +335,42 @@ class ConditionedTransformer(t5.Transformer):
         )
 
 
-def trainable_mask(params: Any, train_backbone: bool) -> Any:
-    """Bool pytree like `params`: True where a parameter is trained (for `optax.masked`)."""
+def frozen_patterns(
+    train_backbone: bool = True, train_layer_norms: bool = False
+) -> tuple[str, ...]:
+    """Regexes (full match on '/'-joined parameter paths, as `ktx.optimizers.freeze`)
+    of the parameters that do not train.
+
+    `train_backbone=True`: none. Otherwise every parameter outside `conditioning/`,
+    except T5's own layer norms (`T5_LAYER_NORM_PATTERN`) when `train_layer_norms`.
+    """
+    for name, value in (("train_backbone", train_backbone),
+                        ("train_layer_norms", train_layer_norms)):
+        if not isinstance(value, bool):
+            raise TypeError(f"frozen_patterns: {name}={value!r}; accepted: True or False")
+    if train_backbone:
+        return ()
+    trained = [re.escape(CONDITIONING_SCOPE) + "/"]
+    if train_layer_norms:
+        trained.append(T5_LAYER_NORM_PATTERN + "$")
+    return ("(?!" + "|".join(trained) + ").*",)
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in path)
+
+
+def trainable_mask(
+    params: Any, train_backbone: bool, train_layer_norms: bool = False
+) -> Any:
+    """Bool pytree like `params`: True where a parameter trains (no `frozen_patterns`
+    regex fully matches its path), for `optax.masked` and the model's stop-gradient."""
+    compiled = [re.compile(p) for p in frozen_patterns(train_backbone, train_layer_norms)]
 
     def keep(path, _):
-        names = tuple(str(getattr(k, "key", k)) for k in path)
-        return train_backbone or is_conditioning_path(names)
+        name = _path(path)
+        return not any(rx.fullmatch(name) for rx in compiled)
 
     return jax.tree_util.tree_map_with_path(keep, params)
 
@@ -325,10 +379,14 @@ class ConditionedEncoderDecoderModel(seq2seq.EncoderDecoderModel):
     """`EncoderDecoderModel` over a `ConditionedTransformer`.
 
     `train_backbone=False` stops the gradient of every parameter outside `conditioning`
-    inside `loss_sums`, so only the task-conditioned parameters are trained.
+    (but T5's layer norms when `train_layer_norms`) inside `loss_sums`, so only the
+    task-conditioned parameters (and those norms) are trained. `frozen_patterns` holds the
+    regexes of the frozen parameters, for `ktx.optimizers.freeze`.
     """
 
-    def __init__(self, *args, train_backbone: bool = True, **kwargs):
+    def __init__(
+        self, *args, train_backbone: bool = True, train_layer_norms: bool = False, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         if not isinstance(self.module, ConditionedTransformer):
             raise TypeError(
@@ -340,19 +398,20 @@ class ConditionedEncoderDecoderModel(seq2seq.EncoderDecoderModel):
                 f"ConditionedEncoderDecoderModel: num_tasks={self.num_tasks} but the module "
                 f"has num_tasks={self.module.num_tasks}"
             )
-        if not isinstance(train_backbone, bool):
-            raise TypeError(f"train_backbone={train_backbone!r}; accepted: True or False")
+        self.frozen_patterns = frozen_patterns(train_backbone, train_layer_norms)
         self.train_backbone = train_backbone
+        self.train_layer_norms = train_layer_norms
 
     def __repr__(self) -> str:
         return (
             super().__repr__()[:-1]
-            + f", conditioning={self.module.conditioning_config}, train_backbone={self.train_backbone})"
+            + f", conditioning={self.module.conditioning_config}, "
+            f"train_backbone={self.train_backbone}, train_layer_norms={self.train_layer_norms})"
         )
 
     def loss_sums(self, params, batch, rng, train):
-        if not self.train_backbone:
-            mask = trainable_mask(params, False)
+        if self.frozen_patterns:
+            mask = trainable_mask(params, self.train_backbone, self.train_layer_norms)
             params = jax.tree.map(
                 lambda p, m: p if m else jax.lax.stop_gradient(p), params, mask
             )
@@ -364,11 +423,14 @@ def conditioned_model(
     conditioning: ConditioningConfig = ConditioningConfig(),
     *,
     train_backbone: bool = True,
+    train_layer_norms: bool = False,
 ) -> ConditionedEncoderDecoderModel:
     """`base` (a configured plain T5 model) with task conditioning; nothing else changes.
 
     The T5 shapes, number of tasks and loss options are taken from `base`, so a gin file
     that overrides only `MODEL = @conditioned_model()` switches the method.
+    `train_backbone=False` freezes the backbone except, with `train_layer_norms`, T5's
+    layer norms (see `frozen_patterns`).
     """
     if not isinstance(base, seq2seq.EncoderDecoderModel):
         raise TypeError(
@@ -388,4 +450,5 @@ def conditioned_model(
         eos_id=base.eos_id,
         decoder_start_id=base.decoder_start_id,
         train_backbone=train_backbone,
+        train_layer_norms=train_layer_norms,
     )

@@ -1,20 +1,28 @@
 """The task-conditioned T5: exactness, per-task gathering, freezing, accounting, and a few
 train steps of every method on a 2x4 mesh of fake CPU devices."""
 
+import pathlib
+import re
+
 import flax.linen as nn
+import gin
 import jax
 import numpy as np
 import optax
 import pytest
 
+from ktx import cli, optimizers
 from ktx import params as kparams
 from ktx import partitioning
 from ktx.conditioning.model import (
     ConditioningConfig,
     conditioned_model,
+    frozen_patterns,
     trainable_mask,
 )
 from ktx.models import seq2seq, t5
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # heads (4) and vocabulary (64) divide the 4-way model axis.
 CFG = t5.T5Config(vocab_size=64, emb_dim=32, num_heads=4, num_encoder_layers=2,
@@ -96,6 +104,92 @@ def test_frozen_backbone_trains_only_conditioning():
     mask = trainable_mask(params, False)
     for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(mask)):
         assert bool(np.any(np.asarray(g) != 0)) == m
+
+
+def _paths(tree):
+    return {"/".join(str(k.key) for k in p): x
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_hyperformer_trains_t5_layer_norms_hypernetworks_and_task_embeddings():
+    batch = _batch()
+    model = conditioned_model(_base(), ConditioningConfig(method="hyperformer", **SMALL),
+                              train_backbone=False, train_layer_norms=True)
+    params = _init(model, batch)
+    grads = _paths(jax.grad(lambda p: model.loss_fn(p, batch)[0])(params))
+    norms = {p for p in grads if re.search(r"(_layer_norm|_norm)/scale$", p)
+             and not p.startswith("conditioning/")}
+    # Every pre-norm of every layer and the two final norms: 2 per encoder layer, 3 per
+    # decoder layer (self, cross, mlp), + encoder_norm, decoder_norm.
+    assert len(norms) == 2 * 2 + 3 * 2 + 2, sorted(norms)
+    trained = {p for p, g in grads.items() if np.any(np.asarray(g) != 0)}
+    conditioning = {p for p in grads if p.startswith("conditioning/")}
+    assert "conditioning/task_embedding/embedding" in conditioning
+    assert trained == conditioning | norms, sorted(trained ^ (conditioning | norms))
+    mask = _paths(trainable_mask(params, False, True))
+    assert {p for p, m in mask.items() if m} == trained
+    # The same regexes give the optimizer's frozen set: no update at all, weight decay
+    # included, while the trained parameters move.
+    assert model.frozen_patterns == frozen_patterns(False, True)
+    tx = optimizers.freeze(optax.adamw(1e-2, weight_decay=0.5), model.frozen_patterns)
+    updates, _ = tx.update(jax.tree.map(np.ones_like, params), tx.init(params), params)
+    moved = {p for p, u in _paths(updates).items() if np.any(np.asarray(u) != 0)}
+    assert moved == trained
+    # Without the layer norms only `conditioning/` trains; train_backbone trains all.
+    only = _paths(trainable_mask(params, False, False))
+    assert {p for p, m in only.items() if m} == conditioning
+    assert frozen_patterns(True, False) == () and all(
+        jax.tree.leaves(trainable_mask(params, True)))
+
+
+@pytest.mark.parametrize("name", ["hyperformer", "hyperformer_pp", "adapters"])
+def test_gin_defaults_follow_the_papers(name):
+    gin_files = [str(REPO / "gin/models/t5_1_1_tiny.gin"),
+                 str(REPO / f"gin/conditioning/{name}.gin")]
+    try:
+        cli.parse_gin(gin_files, [("NUM_TASKS", "3"), ("VOCAB_SIZE", "64")])
+        model = gin.query_parameter("%MODEL").scoped_configurable_fn()
+    finally:
+        gin.clear_config(clear_constants=True)
+    c = model.module.conditioning_config
+    assert c.adapter_positions == ("attention", "mlp") and c.adapter_activation == "gelu_new"
+    if name == "adapters":
+        assert model.train_backbone and model.frozen_patterns == ()
+    else:
+        assert c.conditional_layer_norm
+        assert (model.train_backbone, model.train_layer_norms) == (False, True)
+        assert model.frozen_patterns == frozen_patterns(False, True)
+
+
+@pytest.mark.parametrize("method", ["adapters", "hyperformer", "hyperformer++"])
+def test_adapters_sit_after_self_attention_and_mlp_unless_asked(method):
+    batch = _batch()
+    model = conditioned_model(_base(), ConditioningConfig(method=method, **SMALL))
+    params = _init(model, batch)
+    cond = params["conditioning"]
+    if method == "adapters":
+        shapes = {s: cond[f"{s}_adapters"]["down"].shape[:3] for s in ("encoder", "decoder")}
+        assert shapes == {"encoder": (2, 2, 3), "decoder": (2, 2, 3)}  # [M, A, T]
+    elif method == "hyperformer":
+        assert cond["decoder_hyperformer"]["down_generator"].shape[0] == 2  # per position
+    else:
+        assert cond["decoder_hyperformer"]["position_embedding"]["embedding"].shape[0] == 2
+    # Perturbing the decoder's second adapter slot changes the output: it is the MLP one.
+    # And a model with a cross-attention adapter has a third decoder slot, which acts.
+    cross = conditioned_model(_base(), ConditioningConfig(
+        method=method, adapter_positions=("attention", "cross_attention", "mlp"), **SMALL))
+    cparams = _init(cross, batch)
+    if method == "adapters":
+        assert cparams["conditioning"]["decoder_adapters"]["down"].shape[1] == 3
+        assert cparams["conditioning"]["encoder_adapters"]["down"].shape[1] == 2
+        bumped = jax.tree.map(lambda x: x, cparams)
+        up = bumped["conditioning"]["decoder_adapters"]["up_bias"]
+        bumped["conditioning"]["decoder_adapters"]["up_bias"] = up.at[:, 1].add(1.0)
+        assert not np.allclose(cross.logits(bumped, batch), cross.logits(cparams, batch))
+    with pytest.raises(ValueError, match="adapter_positions"):
+        ConditioningConfig(adapter_positions=("attention", "ffn"))
+    with pytest.raises(ValueError, match="adapter_activation='swish'"):
+        ConditioningConfig(adapter_activation="swish")
 
 
 def test_count_parameters_matches_closed_form_and_plain_backbone():

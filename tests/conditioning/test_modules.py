@@ -157,10 +157,23 @@ def test_apply_adapter_hand_computed():
     w = AdapterWeights(
         down=jnp.array([[[1.0], [-1.0]]]),  # d=2 -> b=1: 1 - 2 = -1, + bias 3 = 2
         down_bias=jnp.array([[3.0]]),
-        up=jnp.array([[[0.5, 2.0]]]),  # relu(2) * [0.5, 2] = [1, 4]
+        up=jnp.array([[[0.5, 2.0]]]),  # act(2) * [0.5, 2]
         up_bias=jnp.array([[0.25, 0.0]]),
     )
-    np.testing.assert_allclose(apply_adapter(x, w), [[[2.25, 6.0]]])
+    # relu(2) = 2 -> [1, 4] + [0.25, 0] -> x + [1.25, 4]
+    np.testing.assert_allclose(apply_adapter(x, w, activation="relu"), [[[2.25, 6.0]]])
+    # gelu_new(2) = 0.5 * 2 * (1 + tanh(sqrt(2/pi) * (2 + 0.044715 * 8))) = 1.9545977
+    g = 1.9545977
+    np.testing.assert_allclose(apply_adapter(x, w), [[[1.0 + 0.5 * g + 0.25, 2.0 + 2 * g]]],
+                               rtol=1e-6)
+    # With a layer norm: h = [0.5 g + 0.25, 2 g] normalised (eps 1e-5), * gamma + beta.
+    normed = w._replace(norm_scale=jnp.array([[2.0, 3.0]]), norm_bias=jnp.array([[0.5, -1.0]]))
+    h = np.array([0.5 * g + 0.25, 2 * g])
+    hn = (h - h.mean()) / np.sqrt(h.var() + 1e-5)
+    np.testing.assert_allclose(apply_adapter(x, normed), [[[1.0 + 2 * hn[0] + 0.5,
+                                                             2.0 + 3 * hn[1] - 1.0]]], rtol=1e-5)
+    with pytest.raises(ValueError, match="activation='swish'"):
+        apply_adapter(x, w, activation="swish")
 
 
 def test_task_adapters_shapes_and_gather():
@@ -180,38 +193,56 @@ def test_task_adapters_shapes_and_gather():
 def test_hyperformer_shapes_values_and_gradients(shared):
     hf = HyperFormer(shared=shared, num_tasks=3, num_layers=2, num_positions=2, emb_dim=4,
                      bottleneck_dim=2, task_embed_dim=3, task_hidden_dim=5, projected_dim=6)
-    params = _init(hf)
-    w, scales = hf.apply({"params": params})
+    z = jax.random.normal(jax.random.key(1), (3, 3))
+    params = _init(hf, z)
+    w = hf.apply({"params": params}, z)
     assert w.down.shape == (2, 2, 3, 4, 2) and w.up.shape == (2, 2, 3, 2, 4)
-    assert scales.shape == (2, 2, 3, 4)
-    z = np.asarray(params["task_embedding"]["embedding"])
+    assert w.norm_scale.shape == w.norm_bias.shape == (2, 2, 3, 4)
+    assert "task_embedding" not in params  # the task embeddings are an input
+    lead = () if shared else (2,)  # generators per position (HyperFormer), or one (++)
+    assert params["down_generator"].shape == lead + (6, 4, 2)
+    assert params["norm_scale_generator_bias"].shape == lead + (4,)
     proj = params["task_projector"]
     mlp = lambda x: relu(x @ np.asarray(proj["hidden"]["kernel"]) + np.asarray(  # noqa: E731
         proj["hidden"]["bias"])) @ np.asarray(proj["output"]["kernel"]) + np.asarray(
         proj["output"]["bias"])
+
+    def ln(v):  # the projector's LayerNorm, eps 1e-6
+        v = (v - v.mean()) / np.sqrt(v.var() + 1e-6)
+        return v * np.asarray(params["projector_norm_scale"]) + np.asarray(
+            params["projector_norm_bias"])
+
+    z = np.asarray(z)
+    layer = np.asarray(params["layer_embedding"]["embedding"])
     m, a, t = 1, 0, 2
     if shared:
-        layer = np.asarray(params["layer_embedding"]["embedding"])
         pos = np.asarray(params["position_embedding"]["embedding"])
-        I = mlp(np.concatenate([z[t], layer[m], pos[a]]))
-        gen = np.asarray(params["down_generator"])
-        bias = np.asarray(params["down_generator_bias"])
-        assert gen.shape == (6, 4, 2)
+        e = ln(mlp(np.concatenate([z[t], layer[m], pos[a]])))
+        gen, bias = (np.asarray(params[k]) for k in ("down_generator", "down_generator_bias"))
     else:
-        I = mlp(z[t])
-        gen = np.asarray(params["down_generator"])[m, a]
-        bias = np.asarray(params["down_generator_bias"])[m, a]
-    want = np.einsum("x,xdb->db", I, gen) * 4 ** -0.5 + bias
+        e = ln(mlp(np.concatenate([z[t], layer[m]])))
+        gen, bias = (np.asarray(params[k])[a] for k in ("down_generator", "down_generator_bias"))
+    want = np.einsum("x,xdb->db", e, gen) + bias
     np.testing.assert_allclose(w.down[m, a, t], want, rtol=1e-4, atol=1e-6)
+    one = hf.apply({"params": params}, z, m, a)
+    np.testing.assert_allclose(one.norm_scale, w.norm_scale[m, a], rtol=1e-6)
+    # Started as an ordinary layer norm: gamma = 1 + O(1e-2), beta = O(1e-2).
+    np.testing.assert_allclose(w.norm_scale, 1.0, atol=0.1)
 
-    def loss(out):
-        w, s = out
-        x = jnp.ones((3, 2, 4))
+    def loss(w):
+        x = jnp.ones((3, 2, 4)) * jnp.arange(4.0)
         total = 0.0
         for mm in range(2):
             for aa in range(2):
                 g = w.gather(jnp.array([0, 1, 2])).at(mm, aa)
-                total += jnp.sum(jnp.sin(apply_adapter(x * s[mm, aa][:, None], g)))
+                total += jnp.sum(jnp.sin(apply_adapter(x, g)))
         return total
 
-    _all_grads_nonzero(hf, params, loss)
+    grads = jax.grad(lambda p: loss(hf.apply({"params": p}, z)))(params)
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    zero = [jax.tree_util.keystr(path) for path, g in flat if not np.any(np.asarray(g) != 0)]
+    assert not zero, f"no gradient reaches {zero}"
+    without = HyperFormer(shared=shared, num_tasks=3, num_layers=2, num_positions=2, emb_dim=4,
+                          bottleneck_dim=2, task_embed_dim=3, task_hidden_dim=5,
+                          projected_dim=6, conditional_layer_norm=False)
+    assert without.apply({"params": _init(without, z)}, z).norm_scale is None
