@@ -5,7 +5,9 @@ touch the file system: every source asks this module at read time. The CLI passe
 `DATA_DIR` macro through `set_data_dir`; without it the `KTX_DATA_DIR` environment variable
 is used. `TFDS_DATA_DIR` (gin via `set_tfds_data_dir`, or the environment) makes the GLUE
 and SuperGLUE tasks read a prepared TFDS copy instead of the official files; nothing is
-ever downloaded.
+ever downloaded. The bad-row policy ("raise" or "skip") is `ktx.data.files`'s process
+default (`set_on_bad_row`, the `KTX_ON_BAD_ROW` environment variable, or
+`pipeline.MultiTaskInput.on_bad_row` from gin for the reads of one input).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = [
 
 TFDS_DATA_DIR_ENV = "TFDS_DATA_DIR"
 
-_state: dict[str, str | None] = {"data_dir": None, "tfds_data_dir": None, "on_bad_row": "raise"}
+_state: dict[str, str | None] = {"data_dir": None, "tfds_data_dir": None}
 
 
 def set_data_dir(path: str | os.PathLike | None) -> None:
@@ -59,15 +61,17 @@ def get_tfds_data_dir() -> str | None:
     return _state["tfds_data_dir"] or os.environ.get(TFDS_DATA_DIR_ENV) or None
 
 
-def set_on_bad_row(policy: str) -> None:
-    """"raise" (default): an unreadable row raises naming file and line; "skip": count it."""
-    if policy not in files.BAD_ROW_POLICIES:
-        raise ValueError(f"set_on_bad_row(policy={policy!r}); accepted: {files.BAD_ROW_POLICIES}")
-    _state["on_bad_row"] = policy
+def set_on_bad_row(policy: str | None) -> None:
+    """"raise" (default): an unreadable row raises naming file and line; "skip": count it.
+
+    The process-wide policy of `ktx.data.files.set_on_bad_row` (None: `$KTX_ON_BAD_ROW`).
+    """
+    files.set_on_bad_row(policy)
 
 
 def get_on_bad_row() -> str:
-    return _state["on_bad_row"]
+    """The policy in force (`ktx.data.files.get_on_bad_row`)."""
+    return files.get_on_bad_row()
 
 
 class LazyT5Vocabulary(seqio.SentencePieceVocabulary):

@@ -32,14 +32,14 @@ def tmall_task_name(behaviour: str) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(data_dir: str) -> recsys_data.MultiBehaviorData:
+def _load(data_dir: str, on_bad_row: str) -> recsys_data.MultiBehaviorData:
     import pathlib
 
     return recsys_data.load_tmall_pairs(
         pathlib.Path(data_dir) / "recsys" / "tmall",
         target=TMALL_BEHAVIOURS[0],
         auxiliaries=TMALL_BEHAVIOURS[1:],
-        on_bad_row=config.get_on_bad_row(),
+        on_bad_row=on_bad_row,
     )
 
 
@@ -47,7 +47,7 @@ def tmall_dataset(behaviour: str, split: str, shuffle_files: bool = False, seed:
     """Positive interactions of `behaviour` in `split` as a `tf.data.Dataset`."""
     if behaviour not in TMALL_BEHAVIOURS:
         raise ValueError(f"behaviour={behaviour!r}; accepted: {TMALL_BEHAVIOURS}")
-    data = _load(str(config.get_data_dir()))
+    data = _load(str(config.get_data_dir()), config.get_on_bad_row())
     if split == "train":
         pairs = data.train[behaviour]
     elif split in ("validation", "test") and behaviour == data.target:

@@ -4,10 +4,16 @@ Every loader in ktx reads the official layout of its data set through these help
 that a missing file says where it was expected and how to get it, and a malformed row
 raises `DataFileError` naming the file and line, or, with `on_bad_row="skip"`, is
 skipped and counted (and the count logged) instead of being silently dropped.
+
+The policy of the registered tasks is this process's default (`set_on_bad_row`, else the
+`KTX_ON_BAD_ROW` environment variable, else "raise"), read when a file is read. From gin
+(`ktx train`): `pipeline.MultiTaskInput.on_bad_row = 'skip'` applies it to the reads of
+that input (`--gin.pipeline.MultiTaskInput.on_bad_row="'skip'"`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -19,7 +25,12 @@ from typing import Any
 
 __all__ = [
     "DATA_DIR_ENV",
+    "ON_BAD_ROW_ENV",
     "BAD_ROW_POLICIES",
+    "SKIP_HOW_TO",
+    "set_on_bad_row",
+    "get_on_bad_row",
+    "on_bad_row_policy",
     "DataFileError",
     "BadRowCounter",
     "resolve_data_dir",
@@ -31,8 +42,51 @@ __all__ = [
 ]
 
 DATA_DIR_ENV = "KTX_DATA_DIR"
+ON_BAD_ROW_ENV = "KTX_ON_BAD_ROW"
 BAD_ROW_POLICIES = ("raise", "skip")
 _BOM = "\ufeff"
+# How to switch to "skip", in every way that reaches the readers (the error message).
+SKIP_HOW_TO = (
+    "to skip and count such rows instead, add "
+    "--gin.pipeline.MultiTaskInput.on_bad_row=\"'skip'\" to `ktx train` (runs/train.gin), "
+    f"or set the environment variable {ON_BAD_ROW_ENV}=skip (any ktx command), or call "
+    "ktx.data.files.set_on_bad_row('skip') in Python"
+)
+_policy: dict[str, str | None] = {"default": None}
+
+
+def _check_policy(policy: str, where: str) -> str:
+    if policy not in BAD_ROW_POLICIES:
+        raise ValueError(f"{where}={policy!r}; accepted: {BAD_ROW_POLICIES}")
+    return policy
+
+
+def set_on_bad_row(policy: str | None) -> None:
+    """Sets this process's bad-row policy: "raise" (an unreadable row raises naming file
+    and line) or "skip" (it is skipped and counted); None: back to `$KTX_ON_BAD_ROW`."""
+    _policy["default"] = None if policy is None else _check_policy(policy, "set_on_bad_row(policy)")
+
+
+def get_on_bad_row() -> str:
+    """The policy in force: `set_on_bad_row`'s, else `$KTX_ON_BAD_ROW`, else "raise"."""
+    if _policy["default"] is not None:
+        return _policy["default"]
+    value = os.environ.get(ON_BAD_ROW_ENV, "").strip()
+    return _check_policy(value, f"${ON_BAD_ROW_ENV}") if value else "raise"
+
+
+@contextlib.contextmanager
+def on_bad_row_policy(policy: str | None) -> Iterator[None]:
+    """Within the block the policy is `policy` (None: unchanged); restored afterwards."""
+    if policy is None:
+        yield
+        return
+    previous = _policy["default"]
+    set_on_bad_row(policy)
+    try:
+        yield
+    finally:
+        _policy["default"] = previous
 
 
 class DataFileError(ValueError):
@@ -83,7 +137,7 @@ class BadRowCounter:
         """Raises (policy "raise") or counts (policy "skip") a bad row at `line` (1-based)."""
         message = f"{self.path}:{line}: {reason}"
         if self.on_bad_row == "raise":
-            raise DataFileError(message + " (pass on_bad_row='skip' to skip and count such rows)")
+            raise DataFileError(f"{message} ({SKIP_HOW_TO})")
         self.skipped += 1
         if self.skipped <= 5:
             logging.warning("skipping bad row %s", message)

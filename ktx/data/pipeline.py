@@ -45,6 +45,7 @@ import numpy as np
 import seqio
 
 from ktx.data import feature_converter as fc
+from ktx.data import files
 from ktx.data import mixing as mixing_lib
 
 __all__ = ["LAYOUTS", "MultiTaskInput", "mixture_task_names", "mixture_rates"]
@@ -134,6 +135,9 @@ class MultiTaskInput:
       min_rows_per_task: rows per batch guaranteed to each task with a positive rate
         ("task_partitioned" only; see `ktx.data.mixing` on tiny rates).
       shuffle: read each task in a fresh permutation per epoch (else in stored order).
+      on_bad_row: "raise" | "skip" for the data files this input reads (training and
+        evaluation splits); None: the process default (`ktx.data.files.get_on_bad_row`).
+        From gin: `pipeline.MultiTaskInput.on_bad_row = 'skip'`.
     """
 
     def __init__(
@@ -152,7 +156,10 @@ class MultiTaskInput:
         process_count: int | None = None,
         min_rows_per_task: int = 0,
         shuffle: bool = True,
+        on_bad_row: str | None = None,
     ):
+        if on_bad_row is not None and on_bad_row not in files.BAD_ROW_POLICIES:
+            raise ValueError(f"on_bad_row={on_bad_row!r}; accepted: {files.BAD_ROW_POLICIES} or None")
         # Default: this JAX process's share (after `jax.distributed.initialize()`).
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
@@ -179,6 +186,7 @@ class MultiTaskInput:
         self.process_index = int(process_index)
         self.process_count = int(process_count)
         self.shuffle = bool(shuffle)
+        self.on_bad_row = on_bad_row
         self.task_names: tuple[str, ...] = mixture_task_names(mixture_or_task_name)
         for name in self.task_names:
             missing = {"inputs", "targets"} - set(seqio.get_mixture_or_task(name).output_features)
@@ -403,6 +411,10 @@ class MultiTaskInput:
         return self.cache_dir / task_name / f"{split}-{digest}.npz"
 
     def _load(self, task: int, split: str, *, pack: bool) -> dict[str, np.ndarray]:
+        with files.on_bad_row_policy(self.on_bad_row):
+            return self._load_with_policy(task, split, pack=pack)
+
+    def _load_with_policy(self, task: int, split: str, *, pack: bool) -> dict[str, np.ndarray]:
         name = self.task_names[task]
         path = self._cache_path(name, split, pack)
         if path is not None and path.is_file():
