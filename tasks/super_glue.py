@@ -44,7 +44,9 @@ def _escape_regex(text: tf.Tensor) -> tf.Tensor:
 
 @seqio.map_over_dataset
 def t5_wsc_text(x, prefix: bool = True):
-    """Marks span1 (the noun) with * and span2 (the pronoun) with #, at their word indices.
+    """Marks span1 (the noun) with * and span2 (the pronoun) with #, at their word indices
+    (T5's `preprocessors.wsc` over TFDS `wsc.fixed`, whose span corrections the file
+    reader applies: `ktx.data.glue_sources.fix_wsc_spans`).
 
     "The city councilmen refused ... because they ..." with span1 "The city councilmen" at
     word 0 and span2 "they" at word 6 -> "wsc text: * The city councilmen * refused ...
@@ -58,10 +60,22 @@ def t5_wsc_text(x, prefix: bool = True):
 
     index1 = tf.cast(x["span1_index"], tf.int32)
     index2 = tf.cast(x["span2_index"], tf.int32)
-    text = mark(x["text"], x["span1_text"], index1, "*")
+    with_noun = mark(x["text"], x["span1_text"], index1, "*")
     # span1's two markers are two more words before span2 when span1 comes first.
     index2 += 2 * tf.cast(index1 < index2, tf.int32)
-    text = mark(text, x["span2_text"], index2, "#")
+    text = mark(with_noun, x["span2_text"], index2, "#")
+
+    # Where T5's regex leaves the pronoun unmarked, mark it at the next word, else the
+    # previous one: a pronoun starting the noun span ("* their mothers *", span2_index ==
+    # span1_index, WSC val idx 95) sits one word later; one pronoun index is a word early
+    # ("... want to use it ...", val idx 42, a sentence T5's `_wsc_inputs` special-cases).
+    def neighbour():
+        after = mark(with_noun, x["span2_text"], index2 + 1, "#")
+        return tf.cond(tf.equal(after, with_noun),
+                       lambda: mark(with_noun, x["span2_text"], tf.maximum(index2 - 1, 0), "#"),
+                       lambda: after)
+
+    text = tf.cond(tf.equal(text, with_noun), neighbour, lambda: text)
     label = tf.cast(x["label"], tf.int32)
     target = tf.cond(label < 0, lambda: tf.constant("<unk>"),
                      lambda: tf.gather(tf.constant(["False", "True"]), tf.maximum(label, 0)))

@@ -8,7 +8,8 @@ data set (`glue/*`, `super_glue/*`), so that one set of T5 text preprocessors se
   files (`msr_paraphrase_{train,test}.txt`, same columns, UTF-8 BOM allowed); STS-B `test`
   from `test_with_labels.tsv` when present.
 * SuperGLUE: `super_glue/<Task>/{train,val}.jsonl` (+ FewGLUE `train_32shot.jsonl`);
-  MultiRC yields one row per answer and ReCoRD one per query, as TFDS does.
+  MultiRC yields one row per answer and ReCoRD one per query, as TFDS does; WSC rows get
+  the span corrections of TFDS's `wsc.fixed` (`fix_wsc_spans`), the config T5 reads.
 * CS224N multitask project: `cs224n/{ids-sst,quora,sts}-{train,dev}.csv` (tab-separated,
   quoted, header with a leading index column).
 
@@ -41,6 +42,7 @@ __all__ = [
     "GLUE_LABELS",
     "SUPER_GLUE_LABELS",
     "read_rows",
+    "fix_wsc_spans",
     "OfficialFilesSource",
 ]
 
@@ -248,7 +250,34 @@ def _wic(counter, line, r):
     return {"word": texts[0], "sentence1": texts[1], "sentence2": texts[2], "label": label}
 
 
+def fix_wsc_spans(row: Row) -> Row:
+    """TFDS `super_glue/wsc.fixed`'s span corrections (`_fix_wst`), applied to a WSC row.
+
+    For each span whose text is not a substring of `text` (SuperGLUE's WSC.zip writes
+    e.g. "The table" for "... through the table because ..."): the case of its first
+    letter is made to match the word at its index, trailing "." removed and newlines made
+    spaces. "Kamenev and Zinoviev" / "Kamenev, Zinoviev, and Stalin" cannot be fixed (words
+    in between) and stay; a span text with "theyscold" gets span2_index 10 (TFDS's text
+    replacement there has no effect, so neither has it here). Returns a new row.
+    """
+    row = dict(row)
+    words = row["text"].split()
+    for key in ("span1", "span2"):
+        span, index = row[f"{key}_text"], row[f"{key}_index"]
+        if span in row["text"] or span in ("Kamenev and Zinoviev", "Kamenev, Zinoviev, and Stalin"):
+            continue
+        if "theyscold" in span:
+            row["span2_index"] = 10
+        if not 0 <= index < len(words) or not span:
+            continue  # TFDS would fail on it; left for the marker to miss
+        first = words[index]
+        span = (span[0].lower() if first[0].islower() else span[0].upper()) + span[1:]
+        row[f"{key}_text"] = span.rstrip(".").replace("\n", " ")
+    return row
+
+
 def _wsc(counter, line, r):
+    """A WSC row with TFDS `wsc.fixed`'s span corrections (`fix_wsc_spans`)."""
     label = _bool_label(counter, line, r["label"])
     text = _text(counter, line, r, "text")
     target = r["target"]
@@ -262,8 +291,9 @@ def _wsc(counter, line, r):
     i2 = _int(counter, line, target["span2_index"], "span2_index")
     if i1 is None or i2 is None:
         return None
-    return {"text": text, "span1_index": i1, "span2_index": i2,
-            "span1_text": str(target["span1_text"]), "span2_text": str(target["span2_text"]),
+    return {**fix_wsc_spans({"text": text, "span1_index": i1, "span2_index": i2,
+                             "span1_text": str(target["span1_text"]),
+                             "span2_text": str(target["span2_text"])}),
             "label": label}
 
 

@@ -77,6 +77,25 @@ def test_examples_match_file_rows_and_targets_score_maximum(real, name, split, r
         assert value == pytest.approx(MAXIMUM.get(metric, 100.0)), (metric, value)
 
 
+@pytest.mark.parametrize("split,relpath,unfixed", [
+    ("validation", "super_glue/WSC/val.jsonl", 8), ("train_32shot", "super_glue/WSC/train_32shot.jsonl", 6)])
+def test_wsc_every_input_marks_noun_and_pronoun(real, split, relpath, unfixed):
+    """SuperGLUE's WSC files write some span1 texts with the wrong case ("The table"):
+    TFDS wsc.fixed corrects them; one pronoun index (val idx 42) is a word early."""
+    rows = [json.loads(x) for x in (real / relpath).read_text(encoding="utf-8").splitlines() if x.strip()]
+    not_substring = [r["idx"] for r in rows if r["target"]["span1_text"] not in r["text"]]
+    assert len(not_substring) == unfixed
+    examples = list(seqio.get_mixture_or_task("super_glue_wsc_v102").preprocessors[0](
+        seqio.get_mixture_or_task("super_glue_wsc_v102").source.get_dataset(split, shuffle=False)
+    ).as_numpy_iterator())
+    assert len(examples) == len(rows)
+    for row, example in zip(rows, examples):
+        inputs = example["inputs"].decode()
+        assert f"# {row['target']['span2_text']} #" in inputs, inputs  # the pronoun marker
+        # the noun marker (a pronoun inside the noun phrase, "* # their # mothers *", as T5)
+        assert inputs.count("* ") >= 1 and inputs.count(" *") >= 1, inputs
+
+
 def test_quora_dev_has_two_unlabelled_rows(real):
     # Two rows of the distributed quora-dev.csv lost their label to broken quoting.
     with pytest.raises(files.DataFileError, match=r"quora-dev\.csv:2577: unknown label ''"):

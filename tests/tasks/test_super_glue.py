@@ -44,6 +44,47 @@ def test_classification_formats(root, task, folder, row, inputs, target):
                               [{"inputs": inputs, "targets": target, "idx": row["idx"]}])
 
 
+def test_fix_wsc_spans_as_tfds_wsc_fixed():
+    from ktx.data.glue_sources import fix_wsc_spans
+
+    row = {"text": "The large ball crashed right through the table because it was made of steel.",
+           "span1_index": 6, "span1_text": "The table", "span2_index": 9, "span2_text": "it"}
+    assert fix_wsc_spans(row)["span1_text"] == "the table"  # case of the word at the index
+    assert row["span1_text"] == "The table"  # a new row
+    row = {"text": "patting her back , The woman smiled .", "span1_index": 4,
+           "span1_text": "the woman.", "span2_index": 1, "span2_text": "her"}
+    assert fix_wsc_spans(row)["span1_text"] == "The woman"  # upper case, trailing "." gone
+    row = {"text": "Sam met the old\nman there .", "span1_index": 2, "span1_text": "the old\nman",
+           "span2_index": 0, "span2_text": "Sam"}
+    assert fix_wsc_spans(row) == row  # a substring already: unchanged, as TFDS
+    row = {"text": "A man saw the old man there .", "span1_index": 3, "span1_text": "the old\nman",
+           "span2_index": 0, "span2_text": "A"}
+    assert fix_wsc_spans(row)["span1_text"] == "the old man"
+    row = {"text": "Kamenev met Zinoviev .", "span1_index": 0, "span1_text": "Kamenev and Zinoviev",
+           "span2_index": 2, "span2_text": "Zinoviev"}
+    assert fix_wsc_spans(row) == row  # cannot be fixed (words in between)
+
+
+def test_wsc_reader_fixes_spans_so_both_markers_appear(root):
+    """Two rows of SuperGLUE's WSC val.jsonl: span1 written "The table" for "the table"
+    (fixed as TFDS wsc.fixed, then marked as T5); span2_index one word before "it"."""
+    write(root, "super_glue/WSC/val.jsonl", jsonl(
+        {"text": "The large ball crashed right through the table because it was made of "
+                 "styrofoam.", "idx": 5, "label": True,
+         "target": {"span1_index": 6, "span2_index": 9, "span1_text": "The table",
+                    "span2_text": "it"}},
+        {"text": "Mr. Farley put the pebble in an iron safe . Some day they might want to use "
+                 "it , but not now.", "idx": 42, "label": True,
+         "target": {"span1_index": 8, "span2_index": 16, "span1_text": "safe",
+                    "span2_text": "it"}}))
+    test_utils.assert_dataset(formatted("super_glue_wsc_v102", "validation"), [
+        {"inputs": "wsc text: The large ball crashed right through * the table * because # it # "
+                   "was made of styrofoam.", "targets": "True", "idx": 5},
+        {"inputs": "wsc text: Mr. Farley put the pebble in an iron * safe * . Some day they "
+                   "might want to use # it # , but not now.", "targets": "True", "idx": 42},
+    ])
+
+
 def test_wsc_marks_spans(root):
     write(root, "super_glue/WSC/val.jsonl", jsonl(
         {"text": "The city councilmen refused the demonstrators a permit because they "
