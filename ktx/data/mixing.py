@@ -12,17 +12,34 @@ Rates (non-negative, normalised to sum 1) come from the tasks' sizes `N_t`:
   at the end; after epoch `E` the last rates stay.
 * `"mixture"`: the rates the SeqIO mixture was registered with.
 
-A batch of `B` rows holds `largest_remainder_counts(rates, B)` rows of each task
-(Hamilton's largest-remainder apportionment, ties to the lower task index). Rates only
-change at epoch boundaries, so a `RateSchedule` is piecewise constant and the number of
-rows of each task consumed before any step has a closed form: the input pipeline is a
-pure function of the step, and resuming at step `s` needs nothing but `s`.
+Rows per batch (task-partitioned layout). With `Mixing.carry` (the default) the
+fractional quotas are carried across steps, so that small tasks are trained on too: in a
+piece of the schedule with rates `r`, every batch of `B` rows gives task `t` its
+`base_t = floor(q_t)` rows (`q_t = r_t * B`, after `min_count`), and the `R = B - sum
+base` remaining rows of each batch are shared over the steps in proportion to the
+fractional parts `q_t - base_t`: the first `n` steps of the piece hold
 
-Tiny rates: a task whose quota `r_t * B` loses the remainder competition gets 0 rows in
-every batch of a piece of the schedule, i.e. it is never trained on with the
-task-partitioned layout. `min_count` (the pipeline's `min_rows_per_task`) guarantees
-every task with a positive rate that many rows; the sampled layout draws such a task
-with probability `r_t` per row instead.
+    C_t(n) = n * base_t + apportion(n * R, q - base)_t
+
+rows of task `t` (`apportion_rows`: the task range halved recursively, each half
+getting its share of the rows rounded half up; monotone in `n`, exact sums). So
+`|C_t(n) - n * q_t| <= ceil(log2 T) / 2` rows for every `n` (1.5 rows for 7 tasks, far
+within one batch), a task with `q_t = 0.09` gets a row about every 11 steps instead of
+never, and the counts of step `s` are `C(s + 1) - C(s)`: a closed form of the step,
+so resuming at step `s` gives the counts of an uninterrupted run. The rows of one step
+still sum to `B`, each task's between `base_t` and a few more. Each piece starts afresh
+(annealed rates change at epoch boundaries), so after `P` pieces the bound is `P` times
+that.
+
+`Mixing(carry=False)` gives every batch the same counts, Hamilton's largest-remainder
+apportionment of `r * B` (`largest_remainder_counts`, ties to the lower task index): a
+task whose quota loses the remainder competition then gets 0 rows in every batch of a
+piece and is never trained on, which the pipeline warns about; its advantage is one
+count tuple per piece (a balancer that compiles per count tuple compiles once).
+
+`min_count` (the pipeline's `min_rows_per_task`) guarantees every task with a positive
+rate that many rows in every batch; the sampled layout draws each row's task with
+probability `r_t` instead.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ __all__ = [
     "annealed_alpha",
     "annealed_rates",
     "largest_remainder_counts",
+    "apportion_rows",
     "parse_mixing",
 ]
 
@@ -153,21 +171,80 @@ def largest_remainder_counts(
     return tuple(int(c) for c in base + floors)
 
 
+_SHARE_SCALE = 2**40  # shares become exact integers, so rounding is exact and portable
+
+
+def _integer_shares(shares: np.ndarray) -> list[int]:
+    total = float(shares.sum())
+    return [int(v) for v in np.rint(shares / total * _SHARE_SCALE)] if total > 0 else [0] * shares.size
+
+
+def apportion_rows(num_rows: int, shares: Sequence[float]) -> np.ndarray:
+    """`[T]` int64 rows of `num_rows` split in proportion to `shares` (>= 0, one > 0).
+
+    The task range is halved recursively; the left half gets its share of the rows
+    rounded half up, the right half the rest. Each count is non-decreasing in
+    `num_rows` (so consecutive differences are valid per-step counts), the counts sum
+    to `num_rows`, and each is within `ceil(log2 T) / 2` of `num_rows * share`.
+
+    Example: shares (0.25, 0.75): 1 row -> (0, 1), 2 -> (1, 1), 4 -> (1, 3).
+    """
+    weights = _integer_shares(_sizes(shares, "shares"))
+    if num_rows < 0:
+        raise ValueError(f"num_rows={num_rows!r}; accepted: an int >= 0")
+    if num_rows and not any(weights):
+        raise ValueError(f"shares={list(shares)!r}: at least one must be > 0 to apportion rows")
+    out = np.zeros(len(weights), np.int64)
+    stack = [(0, len(weights), int(num_rows))]
+    while stack:
+        lo, hi, n = stack.pop()
+        if hi - lo == 1 or n == 0:
+            out[lo] += n if hi - lo == 1 else 0
+            continue
+        mid = (lo + hi) // 2
+        left_w, total_w = sum(weights[lo:mid]), sum(weights[lo:hi])
+        left = (2 * n * left_w + total_w) // (2 * total_w)  # round(n * left_w / total_w)
+        stack += [(lo, mid, left), (mid, hi, n - left)]
+    return out
+
+
+def _base_and_shares(rates: np.ndarray, batch_size: int, min_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(`[T]` rows every batch, `[T]` shares of the remaining rows) for carried quotas."""
+    positive = rates > 0
+    minimum = np.where(positive, min_count, 0).astype(np.int64)
+    remaining = batch_size - int(minimum.sum())
+    # Same validation as the per-batch rounding (batch size, min_count, positive rates).
+    largest_remainder_counts(rates, batch_size, min_count)
+    quota = rates / rates.sum() * remaining
+    floors = np.floor(quota).astype(np.int64)
+    while floors.sum() > remaining:  # guard against floating point
+        floors[np.argmax(floors)] -= 1
+    shares = np.maximum(quota - floors, 0.0)
+    if remaining > floors.sum() and not (shares > 0).any():
+        shares = rates.astype(np.float64)
+    return minimum + floors, shares
+
+
 @dataclasses.dataclass(frozen=True)
 class RateSchedule:
-    """Piecewise-constant rates and per-batch counts over training steps.
+    """Piecewise-constant rates and the per-step counts they give (module docstring).
 
     Attributes:
       starts: `[P]` first step of each piece (`starts[0] == 0`, increasing); the last
         piece lasts forever.
       rates: `[P, T]` normalised rates in each piece.
-      counts: `[P, T]` rows per task per batch in each piece (each row sums to the
-        global batch size).
+      counts: `[P, T]` rows every batch of the piece gives each task (`base`); with
+        carried quotas a step adds some of the remaining rows (`counts_at`).
+      shares: `[P, T]` how the remaining `B - counts.sum()` rows of each batch are shared
+        over the steps of a piece; None: nothing remains, the counts are constant.
+      batch_size: `B`; None: `counts` of each piece sum to it (no carried quotas).
     """
 
     starts: np.ndarray
     rates: np.ndarray
     counts: np.ndarray
+    shares: np.ndarray | None = None
+    batch_size: int | None = None
 
     def __post_init__(self):
         starts = np.asarray(self.starts, dtype=np.int64)
@@ -177,11 +254,28 @@ class RateSchedule:
             raise ValueError(
                 f"rates {self.rates.shape} and counts {self.counts.shape} must be [P={starts.size}, T]"
             )
+        shares = np.zeros(self.rates.shape) if self.shares is None else np.asarray(self.shares, np.float64)
+        if shares.shape != self.rates.shape:
+            raise ValueError(f"shares {shares.shape} must be [P={starts.size}, T] like rates")
+        counts = np.asarray(self.counts, np.int64)
+        per_piece = counts.sum(axis=1)
+        batch_size = int(per_piece[0]) if self.batch_size is None else int(self.batch_size)
+        if np.any(per_piece > batch_size) or (self.shares is None and np.any(per_piece != batch_size)):
+            raise ValueError(f"counts sum to {per_piece.tolist()} per piece; batch_size={batch_size}")
         object.__setattr__(self, "starts", starts)
+        object.__setattr__(self, "counts", counts)
+        object.__setattr__(self, "shares", shares)
+        object.__setattr__(self, "batch_size", batch_size)
+        object.__setattr__(self, "_remaining", batch_size - per_piece)
 
     @property
     def num_tasks(self) -> int:
         return int(self.counts.shape[1])
+
+    @property
+    def carries(self) -> bool:
+        """Whether the counts vary over steps (fractional quotas carried)."""
+        return bool(np.any(self._remaining > 0))
 
     def _piece(self, step: int) -> int:
         if step < 0:
@@ -194,24 +288,33 @@ class RateSchedule:
 
     def counts_at(self, step: int) -> tuple[int, ...]:
         """Rows of each task in the global batch of `step`."""
-        return tuple(int(c) for c in self.counts[self._piece(step)])
+        counts = self.consumed_before(step + 1) - self.consumed_before(step)
+        return tuple(int(c) for c in counts)
 
-    def _sum_before(self, step: int, per_step: np.ndarray) -> np.ndarray:
-        piece = self._piece(step)
-        lengths = np.diff(self.starts[: piece + 1])  # full pieces before `piece`
-        full = (lengths[:, None] * per_step[:piece]).sum(axis=0)
-        return full + (step - self.starts[piece]) * per_step[piece]
+    def _within(self, piece: int, steps: int) -> np.ndarray:
+        """`[T]` rows of the first `steps` steps of `piece`."""
+        rows = steps * self.counts[piece]
+        if self._remaining[piece] and steps:
+            rows = rows + apportion_rows(steps * int(self._remaining[piece]), self.shares[piece])
+        return rows
 
     def consumed_before(self, step: int) -> np.ndarray:
         """`[T]` int64 rows of each task in the batches of steps `0 .. step - 1`.
 
         Closed form over the pieces (no replay of earlier batches).
         """
-        return self._sum_before(step, self.counts).astype(np.int64)
+        piece = self._piece(step)
+        total = np.zeros(self.num_tasks, np.int64)
+        for k in range(piece):
+            total += self._within(k, int(self.starts[k + 1] - self.starts[k]))
+        return total + self._within(piece, int(step - self.starts[piece]))
 
     def rate_sum_before(self, step: int) -> np.ndarray:
         """`[T]` sum of the rates over steps `0 .. step - 1` (expected rows / batch size)."""
-        return self._sum_before(step, self.rates)
+        piece = self._piece(step)
+        lengths = np.diff(self.starts[: piece + 1])  # full pieces before `piece`
+        full = (lengths[:, None] * self.rates[:piece]).sum(axis=0)
+        return full + (step - self.starts[piece]) * self.rates[piece]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +328,8 @@ class Mixing:
       num_epochs: `E` for "annealed" (required for it).
       steps_per_epoch: steps of one annealing epoch; None uses the pipeline's
         `steps_per_epoch` (all tasks' rows / global batch size).
+      carry: carry fractional quotas across steps (every task gets its share over the
+        steps); False: the same largest-remainder counts in every batch of a piece.
     """
 
     kind: str = "mixture"
@@ -232,6 +337,7 @@ class Mixing:
     temperature: float = 10.0
     num_epochs: int | None = None
     steps_per_epoch: int | None = None
+    carry: bool = True
 
     def __post_init__(self):
         if self.kind not in MIXING_KINDS:
@@ -280,8 +386,11 @@ class Mixing:
             pieces = [annealed_rates(sizes_array, e, self.num_epochs) for e in range(1, self.num_epochs + 1)]
             starts = [e * epoch_steps for e in range(self.num_epochs)]
         rates = np.stack(pieces)
-        counts = np.array([largest_remainder_counts(p, batch_size, min_count) for p in pieces], np.int64)
-        return RateSchedule(np.array(starts), rates, counts)
+        if not self.carry:
+            counts = np.array([largest_remainder_counts(p, batch_size, min_count) for p in pieces], np.int64)
+            return RateSchedule(np.array(starts), rates, counts)
+        base, shares = zip(*(_base_and_shares(p, batch_size, min_count) for p in pieces))
+        return RateSchedule(np.array(starts), rates, np.stack(base), np.stack(shares), batch_size)
 
 
 def parse_mixing(mixing: Mixing | str | None) -> Mixing:

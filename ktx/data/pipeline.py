@@ -7,11 +7,14 @@ memory as compact numpy arrays (optionally also on disk under `cache_dir`). The 
 step `s` is then assembled with numpy gathers:
 
 * layout `"task_partitioned"`: the global batch holds `counts[t]` rows of task `t` in
-  contiguous blocks, task 0 first (`task_counts(s)`, from the mixing rates by
-  largest-remainder rounding). Task `t` reads its rows in the order of a per-(seed, task,
+  contiguous blocks, task 0 first (`task_counts(s)`, from the mixing rates with the
+  fractional quotas carried across steps, so every task gets its share over the steps;
+  see `ktx.data.mixing`). Task `t` reads its rows in the order of a per-(seed, task,
   epoch) permutation, starting at the cursor `sum of its counts over steps < s`, which
   `RateSchedule.consumed_before` computes in closed form (also for annealed rates).
   Every row is read exactly once per task epoch; nothing is lost or repeated on resume.
+  The counts vary from step to step (by a row or two per task): a balanced Trainer
+  compiles once per distinct count tuple; `Mixing(carry=False)` keeps them constant.
 * layout `"sampled"`: each row's task is drawn with the step's rates and its example
   uniformly (with replacement) from a step-seeded generator; `task_counts` is None.
 
@@ -225,12 +228,13 @@ class MultiTaskInput:
                 raise ValueError(
                     f"task {name!r} has no examples in split {self.split!r} but a positive mixing rate"
                 )
-            if self.layout == "task_partitioned" and (positive & (self.schedule.counts[:, t] == 0)).any():
+            never = positive & (self.schedule.counts[:, t] == 0) & (self.schedule.shares[:, t] == 0)
+            if self.layout == "task_partitioned" and never.any():
                 logging.warning(
                     "task %r (rate %.3g) gets 0 of %d rows per batch in the task-partitioned "
-                    "layout, so it is not trained on; raise min_rows_per_task or the batch "
-                    "size, or use layout='sampled'", name, float(self.schedule.rates[0, t]),
-                    self.batch_size,
+                    "layout, so it is not trained on; use Mixing(carry=True), raise "
+                    "min_rows_per_task or the batch size, or use layout='sampled'",
+                    name, float(self.schedule.rates[0, t]), self.batch_size,
                 )
 
     def replace(

@@ -67,18 +67,81 @@ def test_schedule_constant_and_cursor():
 
 def test_annealed_schedule_closed_form_matches_replay():
     sizes = [1000, 100, 10]
-    sched = mixing.Mixing("annealed", num_epochs=4).schedule(sizes, 16, steps_per_epoch=5)
-    np.testing.assert_array_equal(sched.starts, [0, 5, 10, 15])
-    assert sched.counts_at(0) == mixing.largest_remainder_counts(mixing.annealed_rates(sizes, 1, 4), 16)
-    assert sched.counts_at(12) == mixing.largest_remainder_counts(mixing.annealed_rates(sizes, 3, 4), 16)
-    assert sched.counts_at(0)[0] > sched.counts_at(15)[0]  # towards equal
-    total = np.zeros(3, np.int64)
-    for step in range(30):
-        np.testing.assert_array_equal(sched.consumed_before(step), total)
-        total += sched.counts_at(step)
+    constant = mixing.Mixing("annealed", num_epochs=4, carry=False).schedule(sizes, 16, steps_per_epoch=5)
+    np.testing.assert_array_equal(constant.starts, [0, 5, 10, 15])
+    assert constant.counts_at(0) == mixing.largest_remainder_counts(mixing.annealed_rates(sizes, 1, 4), 16)
+    assert constant.counts_at(12) == mixing.largest_remainder_counts(mixing.annealed_rates(sizes, 3, 4), 16)
+    assert constant.counts_at(0)[0] > constant.counts_at(15)[0]  # towards equal
+    carried = mixing.Mixing("annealed", num_epochs=4).schedule(sizes, 16, steps_per_epoch=5)
+    for sched in (constant, carried):
+        total = np.zeros(3, np.int64)
+        for step in range(30):
+            np.testing.assert_array_equal(sched.consumed_before(step), total)
+            total += sched.counts_at(step)
+        # Each epoch (piece) gets its rates' share of its 5 * 16 rows within a row or two.
+        for epoch in range(1, 5):
+            rows = sched.consumed_before(5 * epoch) - sched.consumed_before(5 * epoch - 5)
+            expected = 80 * mixing.annealed_rates(sizes, epoch, 4)
+            assert np.abs(rows - expected).max() <= (1.0 if sched is carried else 5.0)
     # An explicit Mixing.steps_per_epoch overrides the pipeline's.
     own = mixing.Mixing("annealed", num_epochs=2, steps_per_epoch=7).schedule(sizes, 16, steps_per_epoch=5)
     np.testing.assert_array_equal(own.starts, [0, 7])
+
+
+SMALL = {"sst2": 67349, "cola": 8551, "mrpc": 4076, "stsb": 5749, "rte": 2490, "cb": 250, "copa": 400}
+
+
+def test_apportion_rows_hand_computed_and_monotone():
+    assert mixing.apportion_rows(1, [0.25, 0.75]).tolist() == [0, 1]
+    assert mixing.apportion_rows(2, [0.25, 0.75]).tolist() == [1, 1]  # 0.5 rounds up
+    assert mixing.apportion_rows(4, [0.25, 0.75]).tolist() == [1, 3]
+    # (1, 1, 2): halves [0] | [1, 2] get round(4 * 1/4) = 1 and 3 -> [1] | [2]: round(3 / 3)
+    assert mixing.apportion_rows(4, [1, 1, 2]).tolist() == [1, 1, 2]
+    assert mixing.apportion_rows(5, [0, 1, 0]).tolist() == [0, 5, 0]
+    previous = np.zeros(4, np.int64)
+    for n in range(200):
+        rows = mixing.apportion_rows(n, [0.9, 0.05, 0.03, 0.02])
+        assert rows.sum() == n and (rows >= previous).all()
+        previous = rows
+    with pytest.raises(ValueError, match="at least one must be > 0"):
+        mixing.apportion_rows(3, [0.0, 0.0])
+
+
+@pytest.mark.parametrize("batch_size", [8, 32, 128])
+def test_small_tasks_get_their_share_over_steps(batch_size):
+    """glue_super_glue_small_v1, proportional: at batch 32 CB's quota is 0.09 rows and
+    COPA's 0.14 per step, so per-batch rounding gave them 0 rows in every step."""
+    sizes = list(SMALL.values())
+    rates = mixing.proportional_rates(sizes)
+    sched = mixing.Mixing("proportional").schedule(sizes, batch_size)
+    bound = np.ceil(np.log2(len(sizes))) / 2  # 1.5 rows for 7 tasks
+    previous = np.zeros(len(sizes), np.int64)
+    for n in range(1, 1501):
+        consumed = sched.consumed_before(n)
+        step = consumed - previous
+        assert step.min() >= 0 and step.sum() == batch_size
+        assert np.abs(consumed - n * batch_size * rates).max() <= bound, n
+        previous = consumed
+    cb, copa = list(SMALL).index("cb"), list(SMALL).index("copa")
+    assert sched.consumed_before(1000)[cb] == pytest.approx(1000 * batch_size * rates[cb], abs=bound)
+    assert sched.consumed_before(100)[copa] >= 1
+    # The counts of a step are a function of the step alone (resume = a fresh schedule).
+    again = mixing.Mixing("proportional").schedule(sizes, batch_size)
+    for s in (0, 1, 17, 999, 123_456):
+        assert again.counts_at(s) == sched.counts_at(s)
+        np.testing.assert_array_equal(again.consumed_before(s), sched.consumed_before(s))
+    assert max(sched.counts_at(s)[cb] for s in range(100)) >= 1
+    # carry=False: the old constant counts, CB and COPA never trained at batch 32.
+    if batch_size == 32:
+        constant = mixing.Mixing("proportional", carry=False).schedule(sizes, 32)
+        assert {constant.counts_at(s)[cb] for s in range(100)} == {0}
+
+
+def test_carried_counts_keep_min_count():
+    sched = mixing.Mixing("proportional").schedule([97, 2, 1], 8, min_count=1)
+    for s in range(50):
+        counts = sched.counts_at(s)
+        assert min(counts) >= 1 and sum(counts) == 8
 
 
 def test_mixing_validation():

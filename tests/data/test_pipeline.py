@@ -99,8 +99,11 @@ def test_annealed_counts_change_and_cursor_is_exact():
     inp = MultiTaskInput(
         "ktx_test_mix", LENGTHS, batch_size=8, seed=1, mixing=mixing.Mixing("annealed", num_epochs=3, steps_per_epoch=2)
     )
-    # epoch 1: alpha 1 -> 12:5 -> quotas 5.65, 2.35 -> (6, 2); epoch 3: alpha .2 -> (4, 4).
-    assert inp.task_counts(0) == (6, 2) and inp.task_counts(5) == (4, 4)
+    # epoch 1: alpha 1 -> 12:5 -> quotas 5.65, 2.35 -> base (5, 2), the 8th row carried:
+    # round(0.65) = 1 -> (6, 2), then round(1.3) = 1 -> (5, 3); epoch 3: alpha .2 ->
+    # 12^.2 : 5^.2 -> quotas 4.35, 3.65 -> base (4, 3): round(.35) = 0 -> (4, 4), then
+    # round(.7) = 1 -> (5, 3).
+    assert [inp.task_counts(s) for s in (0, 1, 4, 5)] == [(6, 2), (5, 3), (4, 4), (5, 3)]
     seen = []
     for step in range(9):
         counts = inp.task_counts(step)
@@ -157,11 +160,32 @@ def test_disk_cache_round_trip(tmp_path):
 
 def test_tiny_rate_warning_and_min_rows(caplog):
     with caplog.at_level(logging.WARNING):
-        inp = MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=2, mixing="mixture")
-    assert inp.task_counts(0) == (2, 0)
+        inp = MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=2, mixing=mixing.Mixing(carry=False))
+    assert inp.task_counts(0) == (2, 0) == inp.task_counts(9)
     assert "ktx_test_alpha" in caplog.text and "not trained on" in caplog.text
     inp = MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=2, min_rows_per_task=1)
     assert inp.task_counts(0) == (1, 1)
+
+
+def test_tiny_rate_task_gets_its_share_over_steps_and_resumes_exactly(caplog):
+    """Rates 3:1 at batch 2: alpha's quota 0.5 rows per step is carried, so it gets a row
+    every other step (before: 0 rows in every step, only a warning)."""
+    with caplog.at_level(logging.WARNING):
+        inp = MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=2, seed=3)
+    assert "not trained on" not in caplog.text
+    counts = [inp.task_counts(s) for s in range(8)]
+    assert counts == [(2, 0), (1, 1)] * 4  # quotas 1.5, 0.5: base (1, 0), 1 row carried
+    # A fresh input (a resumed run) gives the same batches at any step, read from the
+    # cursors alone; every alpha row is read once per epoch of 5.
+    resumed = MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=2, seed=3)
+    alpha = []
+    for step in (7, 3, 12, 0):
+        for k, v in inp.get_batch(step).items():
+            np.testing.assert_array_equal(resumed.get_batch(step)[k], v)
+    for step in range(20):
+        batch = inp.get_batch(step)
+        alpha.extend(_key(x) for x, t in zip(batch["encoder_input_tokens"], batch["task_id"]) if t == 1)
+    assert len(alpha) == 10 and len(set(alpha[:5])) == 5 and len(set(alpha[5:])) == 5
 
 
 def test_errors():
