@@ -34,7 +34,9 @@ from ktx.trainer import TrainState
 __all__ = [
     "CHECKPOINTS_SUBDIR",
     "CheckpointShapeError",
+    "CorruptCheckpointError",
     "CheckpointManager",
+    "restore_params_skipping_corrupt",
     "InitReport",
     "load_initial_params",
     "resolve_checkpoint",
@@ -48,6 +50,34 @@ _log = logging.getLogger(__name__)
 
 class CheckpointShapeError(ValueError):
     """Saved parameter shapes differ from the model's."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A saved step cannot be read (truncated or corrupted files); the message names
+    the step and, where the storage layer says, the file."""
+
+    def __init__(self, step_dir: pathlib.Path, cause: BaseException):
+        self.step_dir = pathlib.Path(step_dir)
+        # orbax wraps the storage error; the innermost one names the array and file.
+        chain, e = [], cause
+        while e is not None and len(chain) < 8:
+            chain.append(e)
+            e = e.__cause__ or e.__context__
+        named = [c for c in reversed(chain) if str(self.step_dir) in str(c)] or [chain[0]]
+        text = str(named[0]).strip()
+        head = text.splitlines()[0][:400] if text else type(named[0]).__name__
+        super().__init__(f"checkpoint step {self.step_dir.name} ({self.step_dir}) is unreadable: {head}")
+
+
+def _reading(step_dir: pathlib.Path, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, an orbax/TensorStore read of `step_dir`; any failure but a
+    shape mismatch becomes one `CorruptCheckpointError` naming the step and file."""
+    try:
+        return fn(*args, **kwargs)
+    except (CheckpointShapeError, FileNotFoundError):
+        raise
+    except Exception as e:  # noqa: BLE001 - orbax/TensorStore raise many types
+        raise CorruptCheckpointError(step_dir, e) from e
 
 
 def _state_to_tree(state: TrainState) -> dict:
@@ -105,10 +135,14 @@ def saved_param_shapes(step_dir: str | os.PathLike) -> dict[str, tuple[int, ...]
     """`{'/'-joined param path: shape}` of a saved step directory (`.../checkpoints/<step>`)."""
     # orbax reads no metadata through a relative path: always hand it an absolute one.
     step_dir = pathlib.Path(step_dir).expanduser().absolute()
-    metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
-    tree = getattr(metadata, "item_metadata", metadata)
-    tree = getattr(tree, "tree", tree)
-    return _flat_shapes(tree["params"])
+
+    def read():
+        metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
+        tree = getattr(metadata, "item_metadata", metadata)
+        tree = getattr(tree, "tree", tree)
+        return _flat_shapes(tree["params"])
+
+    return _reading(step_dir, read)
 
 
 def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> pathlib.Path:
@@ -224,13 +258,36 @@ class CheckpointManager:
         if message:
             raise CheckpointShapeError(message)
         target = _state_to_tree(abstract_state)
-        restored = self._manager.restore(
+        restored = _reading(self.directory / str(step), self._manager.restore,
             step,
             args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(item=target, restore_args=_restore_args(target))
             ),
         )["state"]
         return _tree_to_state(restored, abstract_state)
+
+    def restore_latest_good(self, abstract_state: TrainState) -> TrainState | None:
+        """Restores the newest readable step (None when there is no checkpoint).
+
+        A step that cannot be read is reported (step and file), moved aside to
+        `<step>.corrupt` so that the resumed run can save that step again, and the
+        previous step is tried. Raises CorruptCheckpointError when no step is readable.
+        """
+        steps = self.all_steps()
+        for i, step in enumerate(reversed(steps)):
+            try:
+                return self.restore(abstract_state, step)
+            except CorruptCheckpointError as e:
+                earlier = steps[-2 - i] if i + 1 < len(steps) else None
+                aside = self.directory / f"{step}.corrupt"
+                (self.directory / str(step)).rename(aside)
+                self._manager.reload()
+                print(f"ktx: {e}; moved it to {aside}; "
+                      + (f"resuming from step {earlier}" if earlier is not None
+                         else "no earlier checkpoint"), flush=True)
+                if earlier is None:
+                    raise
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +338,7 @@ def load_initial_params(
     # Partial restore: the subset of the params tree found in the checkpoint.
     subset = _subtree(abstract_params, set(restored_paths))
     target = {"params": subset}
-    restored = ocp.PyTreeCheckpointer().restore(
+    restored = _reading(step_dir, ocp.PyTreeCheckpointer().restore,
         step_dir / "state",
         args=ocp.args.PyTreeRestore(
             item=target, restore_args=_restore_args(target), partial_restore=True
@@ -324,10 +381,28 @@ def restore_params(path: str | os.PathLike, abstract_params: Any, step: int | No
     if message:
         raise CheckpointShapeError(message)
     target = {"params": abstract_params}
-    restored = ocp.PyTreeCheckpointer().restore(
+    restored = _reading(step_dir, ocp.PyTreeCheckpointer().restore,
         step_dir / "state",
         args=ocp.args.PyTreeRestore(
             item=target, restore_args=_restore_args(target), partial_restore=True
         ),
     )
     return restored["params"], int(step_dir.name)
+
+
+def restore_params_skipping_corrupt(model_dir: str | os.PathLike, steps: Sequence[int], abstract_params: Any):
+    """Yields `(step, params)` for each of `steps` of a run directory; an unreadable
+    step is reported (step and file) and skipped. Raises CorruptCheckpointError when
+    none of the steps could be read."""
+    readable = 0
+    for step in steps:
+        try:
+            params, _ = restore_params(resolve_checkpoint(model_dir, step), abstract_params)
+        except CorruptCheckpointError as e:
+            print(f"ktx: {e}; skipped", flush=True)
+            last_error = e
+            continue
+        readable += 1
+        yield step, params
+    if steps and not readable:
+        raise last_error

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from ktx import partitioning
-from ktx.checkpoints import CHECKPOINTS_SUBDIR, resolve_checkpoint, restore_params
+from ktx.checkpoints import CHECKPOINTS_SUBDIR, restore_params_skipping_corrupt
 from ktx.models.base import BaseModel
 from ktx.summaries import MetricsWriter, per_task_metrics
 from ktx.trainer import Trainer
@@ -357,8 +357,7 @@ def evaluate(
     writer = MetricsWriter(output_dir or pathlib.Path(model_dir) / "eval")
     summary = EvalSummary(metrics={}, scores={})
     try:
-        for step in steps:
-            params, _ = restore_params(resolve_checkpoint(model_dir, step), abstract)
+        for step, params in restore_params_skipping_corrupt(model_dir, steps, abstract):
             results = decoder(trainer=trainer, params=params, step=step, writer=writer)
             summary.metrics[step] = results
             summary.scores[step] = {

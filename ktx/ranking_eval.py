@@ -27,7 +27,7 @@ import jax
 import optax
 
 from ktx import partitioning
-from ktx.checkpoints import resolve_checkpoint, restore_params
+from ktx.checkpoints import restore_params_skipping_corrupt
 from ktx.data.recsys import MultiBehaviorData, subsample_users, training_exclusions
 from ktx.eval import EvalSummary, select_checkpoint_steps, abstract_params_for
 from ktx.metrics.ranking import full_ranking
@@ -145,8 +145,7 @@ def evaluate(
     summary = EvalSummary(metrics={}, scores={})
     target = data.target
     try:
-        for step in steps:
-            params, _ = restore_params(resolve_checkpoint(model_dir, step), abstract)
+        for step, params in restore_params_skipping_corrupt(model_dir, steps, abstract):
             row: dict[str, float] = {}
             for split, evaluator in evaluators.items():
                 results = evaluator(trainer=trainer, params=params, step=step, writer=writer)

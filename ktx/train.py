@@ -230,9 +230,9 @@ def train(
     )
     rng = jax.random.key(seed)
     init_rng, dropout_rng = jax.random.split(rng)
-    latest = checkpoints.latest_step()
+    state = checkpoints.restore_latest_good(abstract)
+    latest = None if state is None else int(jax.device_get(state.step))
     if latest is not None:
-        state = checkpoints.restore(abstract, latest)
         _log.info("resumed from %s at step %d", checkpoints.directory, latest)
         print(f"Resuming from checkpoint step {latest} in {checkpoints.directory}", flush=True)
     else:
