@@ -20,13 +20,26 @@ policy come from `ktx.tasks.config` when a dataset is built, never at import):
 
 Example counts: NER = sentences of the file; ranking = candidate answers of the file(s).
 The disease-knowledge infusion task lives in `ktx.tasks.biomed_infusion`.
+
+`biomed_all` mixes the public tasks without test-set leakage: the two ranking tasks'
+train splits hold each other's test sets (the TREC test set is MEDIQA's TrainingSet1,
+MEDIQA's test set is in TRECQA's train), so the mixture is registered over copies
+`biomed_all_<task>` (`add_decontaminated_mixture`) whose train split drops every item
+that is in a validation or test split of another task of the mixture, matched by
+normalised text (`normalize_text`; ranking: question + answer, NER: the sentence). The
+counts removed are logged when a train split is read and returned by
+`decontamination_report("biomed_all")`; on the public files: MEDIQA train keeps 856 of
+1,701 answers (839 TREC test + 6 validation answers removed), TRECQA train 862 of 1,969.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 import pathlib
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +56,11 @@ __all__ = [
     "BIOMED_FILES",
     "BIOMED_MIXTURE_TASKS",
     "BiomedFilesSource",
+    "DecontaminatedSource",
+    "Decontamination",
+    "normalize_text",
+    "add_decontaminated_mixture",
+    "decontamination_report",
     "ner_text",
     "nli_text",
     "ranking_text",
@@ -132,6 +150,11 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, tf.Tensor]:
     return columns
 
 
+def normalize_text(text: str) -> str:
+    """Text compared for leakage: NFKC, case-folded, whitespace runs as one space, stripped."""
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
 class BiomedFilesSource(seqio.DataSource):
     """A seqio DataSource whose split is the concatenation of rows read from files.
 
@@ -141,6 +164,9 @@ class BiomedFilesSource(seqio.DataSource):
       how_to_obtain: appended to a missing-file error.
       data_dir: the data folder; None: `ktx.tasks.config.get_data_dir()` at read time.
       on_bad_row: "raise" | "skip"; None: `ktx.tasks.config.get_on_bad_row()` at read time.
+      key_fields: the row fields that identify an item across data sets (`item_key`);
+        None: those of the known `rows_fn` (ranking: question, answer; NER: tokens;
+        MedNLI: premise, hypothesis).
 
     Nothing is read until `get_dataset` / `num_input_examples` / `list_shards`.
     """
@@ -153,6 +179,7 @@ class BiomedFilesSource(seqio.DataSource):
         *,
         data_dir: str | os.PathLike | None = None,
         on_bad_row: str | None = None,
+        key_fields: Sequence[str] | None = None,
     ):
         if not split_files or any(not paths for paths in split_files.values()):
             raise ValueError(f"split_files={split_files!r}: every split needs at least one file")
@@ -164,10 +191,17 @@ class BiomedFilesSource(seqio.DataSource):
         self._how = how_to_obtain
         self._data_dir = data_dir
         self._on_bad_row = on_bad_row
+        self.key_fields = tuple(key_fields or _KEY_FIELDS.get(rows_fn, ()))
 
     @property
     def supports_arbitrary_sharding(self) -> bool:
         return True
+
+    def item_key(self, row: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+        """The row's identity across data sets: `(field, normalize_text(value))` pairs."""
+        if not self.key_fields:
+            raise ValueError("this source has no key_fields: pass key_fields=(...) to compare items")
+        return tuple((f, normalize_text(str(row[f]))) for f in self.key_fields)
 
     def paths(self, split: str) -> list[pathlib.Path]:
         """The files of `split`, checked to exist and be non-empty."""
@@ -261,6 +295,117 @@ def mediqa_rows(path: pathlib.Path, counter: files.BadRowCounter) -> list[dict[s
                 ),
             })
     return rows
+
+
+_KEY_FIELDS: dict[Callable, tuple[str, ...]] = {
+    ner_rows: ("tokens",),
+    mednli_rows: ("premise", "hypothesis"),
+    mediqa_rows: ("question", "answer"),
+}
+
+
+# ----------------------------------------------------------------------------- leakage
+
+
+@dataclasses.dataclass(frozen=True)
+class Decontamination:
+    """What `DecontaminatedSource` removed from one split.
+
+    Attributes:
+      task: the decontaminated task; split: its split.
+      total: rows of the files; removed: rows dropped (kept = total - removed).
+      by_source: "<task>/<split>" -> rows of this split whose item is in that split of
+        that task (a row in several counts in each).
+    """
+
+    task: str
+    split: str
+    total: int
+    removed: int
+    by_source: Mapping[str, int]
+
+    @property
+    def kept(self) -> int:
+        return self.total - self.removed
+
+    def __str__(self) -> str:
+        sources = ", ".join(f"{k}: {v}" for k, v in self.by_source.items() if v) or "none"
+        return (f"{self.task}/{self.split}: removed {self.removed} of {self.total} rows found in "
+                f"other tasks' evaluation splits ({sources}); {self.kept} kept")
+
+
+class DecontaminatedSource(BiomedFilesSource):
+    """`base`'s files, with the rows of `filtered_splits` whose item (`item_key`) is in
+    an `eval_splits` split of one of `others` removed (logged, see `decontamination`).
+
+    Args:
+      base: the task's own source (files, reader, policy and key fields are taken over).
+      name: the task's name (for the log and the report).
+      others: (task name, source) of the tasks whose evaluation items must not be trained on.
+      eval_splits: their splits that count as evaluation data (those they have).
+      filtered_splits: this source's splits to filter (the training data).
+    """
+
+    def __init__(
+        self,
+        base: BiomedFilesSource,
+        name: str,
+        others: Sequence[tuple[str, BiomedFilesSource]],
+        eval_splits: Sequence[str] = ("validation", "test"),
+        filtered_splits: Sequence[str] = ("train",),
+    ):
+        if not isinstance(base, BiomedFilesSource):
+            raise TypeError(f"base={base!r}: expected a BiomedFilesSource")
+        super().__init__(base._split_files, base._rows_fn, base._how, data_dir=base._data_dir,
+                         on_bad_row=base._on_bad_row, key_fields=base.key_fields)
+        self.name = name
+        self.others = tuple(others)
+        self.eval_splits = tuple(eval_splits)
+        self.filtered_splits = tuple(s for s in filtered_splits if s in self.splits)
+        self._memo: dict[str, tuple[tuple, tuple, Decontamination]] = {}
+
+    def _eval_keys(self) -> tuple[tuple, dict[str, set]]:
+        reads, keys = [], {}
+        for task, source in self.others:
+            for split in self.eval_splits:
+                if split in source.splits:
+                    rows = source.rows(split)
+                    reads.append(rows)
+                    keys[f"{task}/{split}"] = {source.item_key(r) for r in rows}
+        return tuple(reads), keys
+
+    def _filter(self, split: str) -> tuple[tuple[dict[str, Any], ...], Decontamination]:
+        rows = super().rows(split)
+        reads, keys = self._eval_keys()
+        memo = self._memo.get(split)
+        if memo is not None and memo[0][0] is rows and all(a is b for a, b in zip(memo[0][1:], reads)):
+            return memo[1], memo[2]
+        by_source = dict.fromkeys(keys, 0)
+        kept = []
+        for row in rows:
+            key = self.item_key(row)
+            found = [name for name, items in keys.items() if key in items]
+            for name in found:
+                by_source[name] += 1
+            if not found:
+                kept.append(row)
+        if not kept:
+            raise files.DataFileError(f"{self.name}/{split}: every row is in another task's evaluation data")
+        report = Decontamination(self.name, split, len(rows), len(rows) - len(kept), by_source)
+        self._memo[split] = ((rows, *reads), tuple(kept), report)
+        logging.warning("%s", report)
+        return tuple(kept), report
+
+    def rows(self, split: str) -> tuple[dict[str, Any], ...]:
+        if split not in self.filtered_splits:
+            return super().rows(split)
+        return self._filter(split)[0]
+
+    def decontamination(self, split: str = "train") -> Decontamination:
+        """What was removed from `split` (reads the files if not yet read)."""
+        if split not in self.filtered_splits:
+            raise ValueError(f"split={split!r} is not filtered; filtered splits: {self.filtered_splits}")
+        return self._filter(split)[1]
 
 
 # ----------------------------------------------------------------------------- preprocessors
@@ -436,6 +581,45 @@ BIOMED_MIXTURE_TASKS = (
     "biomed_mediqa2019_qa",
     "biomed_trecqa2017",
 )
-seqio.MixtureRegistry.add(
-    "biomed_all", list(BIOMED_MIXTURE_TASKS), default_rate=seqio.mixing_rate_num_examples
-)
+
+
+def add_decontaminated_mixture(
+    name: str,
+    task_names: Sequence[str],
+    *,
+    default_rate=seqio.mixing_rate_num_examples,
+    eval_splits: Sequence[str] = ("validation", "test"),
+) -> seqio.Mixture:
+    """Registers mixture `name` over copies `<name>_<task without "biomed_">` of the tasks
+    whose train split drops every item that is in an `eval_splits` split of ANOTHER task
+    of the mixture (`DecontaminatedSource`); evaluation splits are unchanged.
+    """
+    names = list(task_names)
+    tasks = [seqio.get_mixture_or_task(t) for t in names]
+    for task in tasks:
+        if not isinstance(task.source, BiomedFilesSource):
+            raise TypeError(f"task {task.name!r} has a {type(task.source).__name__}; "
+                            "add_decontaminated_mixture needs BiomedFilesSource tasks")
+    members = []
+    for task in tasks:
+        member = f"{name}_{task.name.removeprefix('biomed_')}"
+        others = [(u.name, u.source) for u in tasks if u.name != task.name]
+        source = DecontaminatedSource(task.source, member, others, eval_splits)
+        if member in seqio.TaskRegistry.names():
+            seqio.TaskRegistry.remove(member)
+        seqio.TaskRegistry.add_provider(member, task.replace(name=member, source=source))
+        members.append(member)
+    if name in seqio.MixtureRegistry.names():
+        seqio.MixtureRegistry.remove(name)
+    return seqio.MixtureRegistry.add(name, members, default_rate=default_rate)
+
+
+def decontamination_report(mixture_name: str, split: str = "train") -> dict[str, Decontamination]:
+    """`{task: Decontamination}` of a mixture's decontaminated tasks (reads their files)."""
+    mixture = seqio.get_mixture_or_task(mixture_name)
+    tasks = mixture.tasks if isinstance(mixture, seqio.Mixture) else [mixture]
+    return {t.name: t.source.decontamination(split) for t in tasks
+            if isinstance(t.source, DecontaminatedSource)}
+
+
+add_decontaminated_mixture("biomed_all", BIOMED_MIXTURE_TASKS)

@@ -321,7 +321,8 @@ def test_registered_tasks_and_mixture_read_no_file_at_registration(tmp_path):
     for name in names:
         assert name in seqio.TaskRegistry.names()
     mixture = seqio.get_mixture_or_task("biomed_all")
-    assert sorted(t.name for t in mixture.tasks) == sorted(biomed.BIOMED_MIXTURE_TASKS)
+    assert sorted(t.name for t in mixture.tasks) == sorted(
+        "biomed_all_" + t.removeprefix("biomed_") for t in biomed.BIOMED_MIXTURE_TASKS)
     config.set_data_dir(tmp_path)  # an empty folder: files are looked up only now
     try:
         with pytest.raises(files.DataFileError, match=r"biomed/mednli/mli_dev_v1\.jsonl.*physionet"):
