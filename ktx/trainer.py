@@ -35,7 +35,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ktx import partitioning
+from ktx import optimizers, partitioning
 from ktx.models.base import BaseModel
 
 __all__ = [
@@ -305,6 +305,12 @@ class Trainer:
         self.mesh = mesh if mesh is not None else partitioning.create_mesh(1)
         self.rules = tuple(rules) if rules is not None else partitioning.standard_logical_axis_rules()
         self.balancer = balancer
+        # Frozen parameters (the model's `frozen_patterns`) get no update at all: zero
+        # updates and no optimizer state, whatever the optimizer adds to the gradient.
+        frozen = tuple(getattr(model, "frozen_patterns", ()) or ())
+        if frozen:
+            optimizer = optimizers.freeze(optimizer, frozen)
+        self.optimizer = optimizer
         self.tx = optax.chain(balancer, optimizer) if balancer is not None else optimizer
         self.tx_parts = (balancer, optimizer) if balancer is not None else None
         # A learning rate given as a number (optax accepts one) is reported as constant.

@@ -318,3 +318,56 @@ def test_adafactor_t5x_defaults_factor_large_matrices():
 def test_frozen_pattern_typo_is_an_error():
     with pytest.raises(ValueError, match="matches no parameter"):
         optimizers.frozen_mask({"Dense_0": {"kernel": jnp.ones(2)}}, [r"Dens_0/.*"])
+
+
+class _FrozenToy(ToyModel):
+    frozen_patterns = (r"Dense_0/.*",)
+
+
+def test_model_frozen_params_are_bit_identical_under_weight_decay_and_have_no_state():
+    """A model's `frozen_patterns` reach the optimizer: AdamW's decoupled weight decay
+    (a gradient-free term) leaves frozen leaves bit-identical, and no moments exist for
+    them, on the plain and the balanced path."""
+    from ktx import optim
+
+    inp = ToyInput()
+    for balancer in (None, optim.vanilla_multi()):
+        tr = trainer_lib.Trainer(_FrozenToy(), optax.adamw(1e-2, weight_decay=0.5), balancer=balancer)
+        state0 = jax.device_get(tr.init_state(jax.random.key(0), inp.get_batch(0)))
+        state, _ = _run_steps(tr, 3, inp)
+        for leaf in ("kernel", "bias"):
+            np.testing.assert_array_equal(state.params["Dense_0"][leaf], state0.params["Dense_0"][leaf])
+        assert not np.allclose(state.params["Dense_1"]["kernel"], state0.params["Dense_1"]["kernel"])
+        shapes = {np.shape(x) for x in jax.tree.leaves(state.opt_state)}
+        assert (6, 8) not in shapes and (8,) not in shapes and (8, 4) in shapes
+
+
+def test_frozen_t5_backbone_is_bit_identical_after_adamw_steps():
+    from ktx.conditioning.model import ConditioningConfig, conditioned_model
+    from ktx.models import seq2seq, t5
+
+    base = seq2seq.EncoderDecoderModel(
+        config=t5.T5Config(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=32,
+                           num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0),
+        num_tasks=2)
+    model = conditioned_model(base, ConditioningConfig(method="adapters", reduction_factor=4),
+                              train_backbone=False)
+    rng = np.random.default_rng(0)
+    batch = {
+        "encoder_input_tokens": rng.integers(2, 64, (8, 6)).astype(np.int32),
+        "decoder_input_tokens": rng.integers(2, 64, (8, 4)).astype(np.int32),
+        "decoder_target_tokens": rng.integers(2, 64, (8, 4)).astype(np.int32),
+        "decoder_loss_weights": np.ones((8, 4), np.float32),
+        "task_id": np.repeat(np.arange(2), 4).astype(np.int32),
+    }
+    tr = trainer_lib.Trainer(model, optax.adamw(1e-2, weight_decay=0.1))
+    state = tr.init_state(jax.random.key(0), batch)
+    before = jax.device_get(state.params)
+    for _ in range(3):
+        state, _ = tr.train_step(state, batch, jax.random.key(1))
+    after = jax.device_get(state.params)
+    moved = {k: not np.array_equal(a, b) for k, a, b in zip(
+        optimizers.param_paths(before), jax.tree.leaves(before), jax.tree.leaves(after))}
+    assert all(moved[k] for k in moved if k.startswith("conditioning/"))
+    frozen = [k for k in moved if not k.startswith("conditioning/")]
+    assert frozen and not any(moved[k] for k in frozen), [k for k in frozen if moved[k]]

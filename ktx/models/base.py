@@ -44,6 +44,10 @@ class BaseModel(abc.ABC):
 
     num_tasks: int
     loss_normalization: str = "global"
+    # Regexes (full match on '/'-joined parameter paths) of parameters that never train:
+    # the Trainer gives them no update and no optimizer state (`ktx.optimizers.freeze`),
+    # so weight decay and every other gradient-free optimizer term leave them untouched.
+    frozen_patterns: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def init_variables(self, rng: jax.Array, batch: Batch) -> Any:
