@@ -18,7 +18,22 @@ Packing: a packed row holds several examples one after another. Attention is mas
 equal `*_segment_ids`; relative positions are computed from in-row offsets, which equal
 the per-segment offsets for every pair of tokens of one (contiguous) segment, and pairs
 across segments are masked, so `*_positions` do not change the result. They are accepted
-for interface compatibility and validated for shape only.
+for interface compatibility and validated for shape only. Input prompts (below) are
+refused with packed inputs: prompts prepended once per row would be shared by the row's
+segments, and since the prompts' own encoder states attend to every token of the row,
+one segment would see another through them.
+
+Precision: activations use `T5Config.dtype`; attention logits and softmax (with
+`float32_attention_logits`), layer norms, the output logits and the loss are float32
+whatever the activation dtype, as in T5X.
+
+Dropout (`T5Config.dropout_rate`), as T5X's T5.1.1: on the embeddings, every sub-block
+output and the final norm's output, with one mask per example and embedding channel
+broadcast over the sequence (`broadcast_dims=(-2,)`); inside the gated MLP likewise; on
+the attention probabilities `[B, H, Lq, Lk]` with one mask per (example, head, key)
+broadcast over the queries, as T5X's `dot_product_attention` (`dropout_shape[-2] = 1`;
+flax's `nn.dot_product_attention(broadcast_dropout=True)` instead shares one `[Lq, Lk]`
+mask across the batch and heads, which is not what T5X does).
 
 Extension points (task conditioning; when unused, the model is exactly plain T5.1.1):
 
@@ -42,7 +57,8 @@ Extension points (task conditioning; when unused, the model is exactly plain T5.
       sum (adapters).
 * `Encoder.input_prompt(x, task_id) -> None | [B, P, E]`: embeddings prepended to the
   encoder input (prompt tuning); the encoded sequence is then `[B, P + Le, E]`, prompt
-  positions are visible to every query (self and cross attention, any segment).
+  positions are visible to every query (self and cross attention). Not with packed
+  inputs (ValueError).
 * Attention probabilities `[B, H, Lq, P + Lk]` are sown as
   `intermediates/.../attention_weights` when the `intermediates` collection is mutable.
 
@@ -92,6 +108,12 @@ _ACTIVATIONS = {
     "linear": lambda x: x,
 }
 _NEG_INF = -1e10
+_PROMPT_PACKING_ERROR = (
+    "input prompts (Prompt-Tuning, ConditioningConfig.method='prompt_tuning') cannot be used "
+    "with packed inputs (encoder_segment_ids given): prompts prepended once per row would "
+    "be shared by the row's segments, which would then attend to each other through the "
+    "prompts' encoder states. Train unpacked: MultiTaskInput.pack = False (the default)."
+)
 
 Array = jax.Array
 Dtype = Any
@@ -101,9 +123,14 @@ Dtype = Any
 class T5Config:
     """Shapes and options of a T5.1.1 Transformer (defaults: T5.1.1 small).
 
-    `dropout_rate` defaults to 0.1, the value T5X's T5.1.1 gin files use for
-    pre-training; set 0.0 for evaluation-equivalent fine-tuning runs if wanted.
-    `dtype` is the activation dtype ("float32" or "bfloat16"); parameters are float32.
+    `dropout_rate` defaults to 0.1, the usual fine-tuning rate (T5X's fine-tuning gin
+    files); T5.1.1 was pre-trained without dropout (0.0).
+    `dtype` is the activation dtype ("float32" or "bfloat16"); parameters, attention
+    logits, logits and the loss are float32.
+    `relative_attention_max_distance` must exceed `relative_attention_num_buckets // 2`,
+    the number of exact buckets of the causal decoder (the bidirectional encoder has
+    `num_buckets // 4` per direction): the logarithmic buckets span the distances from
+    there to `max_distance`.
     """
 
     vocab_size: int = 32128
@@ -140,6 +167,15 @@ class T5Config:
             raise ValueError(
                 f"T5Config.relative_attention_num_buckets={self.relative_attention_num_buckets}"
                 ": must be >= 4 (half exact, half logarithmic, per direction)"
+            )
+        exact = self.relative_attention_num_buckets // 2
+        if self.relative_attention_max_distance <= exact:
+            raise ValueError(
+                f"T5Config.relative_attention_max_distance={self.relative_attention_max_distance}"
+                f" must be > relative_attention_num_buckets // 2 = {exact} (with "
+                f"relative_attention_num_buckets={self.relative_attention_num_buckets}, the "
+                f"causal decoder's {exact} exact buckets cover distances 0..{exact - 1} and "
+                "the logarithmic buckets start there and end at max_distance)"
             )
         acts = self.mlp_activations
         if isinstance(acts, str) or not isinstance(acts, Sequence) or not acts:
@@ -242,9 +278,11 @@ class Embed(nn.Module):
         out = jnp.take(jnp.asarray(self.embedding, self.dtype), ids, axis=0)
         return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
 
-    def attend(self, query: Array) -> Array:
-        """`[..., E]` -> `[..., V]`: dot products with every embedding (tied logits)."""
-        return jnp.dot(jnp.asarray(query, self.dtype), jnp.asarray(self.embedding, self.dtype).T)
+    def attend(self, query: Array, dtype: Dtype | None = None) -> Array:
+        """`[..., E]` -> `[..., V]`: dot products with every embedding (tied logits),
+        computed in `dtype` (default: the module's)."""
+        dtype = self.dtype if dtype is None else dtype
+        return jnp.dot(jnp.asarray(query, dtype), jnp.asarray(self.embedding, dtype).T)
 
 
 class RMSNorm(nn.Module):
@@ -319,7 +357,19 @@ def relative_position_bucket(
     `0 .. nb/2 - 1`; the rest are logarithmic up to `max_distance`, beyond which every
     distance shares the last bucket. Causal (`bidirectional=False`): keys after the
     query all fall in bucket 0. Same formula as mesh-tensorflow / T5X.
+
+    `max_distance` must exceed the number of exact buckets (`num_buckets // 4`
+    bidirectional, `num_buckets // 2` causal); otherwise the logarithmic range is empty
+    or negative and the buckets (hence the biases) would be garbage or NaN.
     """
+    if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) or num_buckets < 4:
+        raise ValueError(f"relative_position_bucket: num_buckets={num_buckets!r}; accepted: int >= 4")
+    exact = num_buckets // 4 if bidirectional else num_buckets // 2
+    if max_distance <= exact:
+        raise ValueError(
+            f"relative_position_bucket: max_distance={max_distance} must be > the number of "
+            f"exact buckets {exact} (num_buckets={num_buckets}, bidirectional={bidirectional})"
+        )
     n = -jnp.asarray(relative_position, jnp.int32)
     ret = jnp.zeros_like(n)
     if bidirectional:
@@ -464,7 +514,8 @@ class MultiHeadAttention(nn.Module):
             logits = logits + jnp.asarray(bias, logits.dtype)
         probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
         self.sow("intermediates", "attention_weights", probs)
-        probs = nn.Dropout(self.dropout_rate)(probs, deterministic)
+        # One mask per (example, head, key), broadcast over the queries, as T5X.
+        probs = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(probs, deterministic)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, jnp.asarray(value, self.dtype))
         out = DenseGeneral(
             features=(inputs_q.shape[-1],), axis=(-2, -1), kernel_axes=(HEADS, KV, EMBED),
@@ -646,6 +697,8 @@ class Encoder(nn.Module):
         segments = encoder_segment_ids
         visible = None
         if prompt is not None:
+            if segments is not None:
+                raise ValueError(_PROMPT_PACKING_ERROR)
             b, p = prompt.shape[0], prompt.shape[1]
             if prompt.ndim != 3 or b != x.shape[0] or prompt.shape[2] != x.shape[2]:
                 raise ValueError(
@@ -655,8 +708,6 @@ class Encoder(nn.Module):
             x = jnp.concatenate([jnp.asarray(prompt, dtype), x], axis=1)
             valid = jnp.concatenate([jnp.ones((b, p), bool), valid], axis=1)
             visible = jnp.concatenate([jnp.ones((b, p), bool), jnp.zeros_like(valid[:, p:])], 1)
-            if segments is not None:
-                segments = jnp.concatenate([jnp.zeros((b, p), segments.dtype), segments], 1)
         mask = _attention_mask(valid, valid, segments, segments, visible)
         if visible is not None:  # prompt queries see every valid key
             mask = jnp.maximum(mask, (visible[:, None, :, None] & valid[:, None, None, :]))
@@ -740,10 +791,15 @@ class Decoder(nn.Module):
             )
         x = RMSNorm(dtype=dtype, name="decoder_norm")(x)
         x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
+        # Logits in float32 whatever the activation dtype (T5X's `logits_dense` too).
+        x = jnp.asarray(x, jnp.float32)
         if cfg.logits_via_embedding:
-            logits = self.shared_embedding.attend(x) / jnp.sqrt(x.shape[-1]).astype(dtype)
+            logits = self.shared_embedding.attend(x, jnp.float32) / jnp.sqrt(
+                jnp.float32(x.shape[-1]))
         else:
-            logits = DenseGeneral((cfg.vocab_size,), (EMBED, VOCAB), dtype=dtype, name="logits_dense")(x)
+            logits = DenseGeneral(
+                (cfg.vocab_size,), (EMBED, VOCAB), dtype=jnp.float32, name="logits_dense"
+            )(x)
         return nn.with_logical_constraint(logits, (BATCH, LENGTH, VOCAB))
 
 
@@ -840,13 +896,11 @@ class Transformer(nn.Module):
                 f"{encoder_input_tokens.shape[1]}"
             )
         if num_prompt:
+            if encoder_segment_ids is not None:
+                raise ValueError(_PROMPT_PACKING_ERROR)
             ones = jnp.ones((batch, num_prompt), bool)
             visible = jnp.concatenate([ones, jnp.zeros_like(enc_valid)], axis=1)
             enc_valid = jnp.concatenate([ones, enc_valid], axis=1)
-            if encoder_segment_ids is not None:
-                encoder_segment_ids = jnp.concatenate(
-                    [jnp.zeros((batch, num_prompt), encoder_segment_ids.dtype), encoder_segment_ids], 1
-                )
         if decode:
             cross_mask = enc_valid[:, None, None, :].astype(jnp.float32)
         else:
@@ -879,7 +933,7 @@ class Transformer(nn.Module):
         decode: bool = False,
         max_decode_length: int | None = None,
     ) -> Array:
-        """Teacher-forced logits `[B, Ld, V]` (float in the activation dtype)."""
+        """Teacher-forced logits `[B, Ld, V]` (float32 whatever the activation dtype)."""
         encoded = self.encode(
             encoder_input_tokens, task_id, encoder_segment_ids, encoder_positions,
             enable_dropout=enable_dropout,

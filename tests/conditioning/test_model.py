@@ -192,6 +192,20 @@ def test_adapters_sit_after_self_attention_and_mlp_unless_asked(method):
         ConditioningConfig(adapter_activation="swish")
 
 
+def test_prompt_tuning_refuses_packed_batches_naming_the_option():
+    batch = _batch()
+    model = conditioned_model(_base(), ConditioningConfig(method="prompt_tuning", **SMALL))
+    params = _init(model, batch)
+    packed = dict(batch)
+    for side, length in (("encoder", 6), ("decoder", 4)):
+        packed[f"{side}_segment_ids"] = np.array([[1] * (length // 2) + [2] * (length // 2)] * 4,
+                                                 np.int32)
+        packed[f"{side}_positions"] = np.array([list(range(length // 2)) * 2] * 4, np.int32)
+    with pytest.raises(ValueError, match=r"prompt_tuning.*packed.*MultiTaskInput\.pack = False"):
+        model.loss_fn(params, packed)
+    assert np.isfinite(float(model.loss_fn(params, batch)[0]))  # unpacked is fine
+
+
 def test_count_parameters_matches_closed_form_and_plain_backbone():
     conditioning = ConditioningConfig(method="hyperprompt", hyperprompt_variant="global", **SMALL)
     model = conditioned_model(_base(), conditioning)

@@ -181,6 +181,23 @@ def test_dropout_needs_rng_and_changes_training_loss():
     assert not np.allclose(train, evaluation)
 
 
+def test_bfloat16_activations_give_float32_logits_and_loss():
+    import dataclasses
+
+    model = seq2seq.EncoderDecoderModel(dataclasses.replace(SMALL, dtype="bfloat16"), num_tasks=3)
+    _, params = _model_and_params()
+    batch = _batch()
+    logits = model.logits(params, batch)
+    assert logits.dtype == jnp.float32
+    loss, aux = model.loss_fn(params, batch, None, False)
+    assert loss.dtype == jnp.float32
+    assert all(v.dtype == jnp.float32 for v in aux.values()), {k: v.dtype for k, v in aux.items()}
+    # The loss is the float32 cross-entropy of those float32 logits.
+    ce, z = seq2seq.weighted_cross_entropy(
+        logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"], z_loss=1e-4)
+    np.testing.assert_allclose(aux["loss"].sum(), (ce + z).sum(), rtol=1e-6)
+
+
 def test_input_spec_and_validation():
     model, _ = _model_and_params()
     spec = model.input_spec(4, {"inputs": 7, "targets": 5}, packed=True)

@@ -137,10 +137,68 @@ def test_bfloat16_activations_run(tiny):
     _, params = tiny
     module = t5.Transformer(dataclasses.replace(TINY, dtype="bfloat16"))
     logits = _logits(module, params)
-    assert logits.dtype == jnp.bfloat16
-    assert np.all(np.isfinite(np.asarray(logits, np.float32)))
+    assert logits.dtype == jnp.float32  # logits in float32 whatever the activations
+    assert np.all(np.isfinite(np.asarray(logits)))
     ref = _logits(t5.Transformer(TINY), params)
-    np.testing.assert_allclose(np.asarray(logits, np.float32), ref, atol=0.15)
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=0.15)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_are_float32_with_bfloat16_activations(tied):
+    cfg = dataclasses.replace(TINY, dtype="bfloat16", logits_via_embedding=tied)
+    module = t5.Transformer(cfg)
+    params = nn.unbox(module.init(jax.random.key(0), ENC, DEC_IN, DEC_TGT,
+                                  enable_dropout=False))["params"]
+    logits = _logits(module, params)
+    assert logits.dtype == jnp.float32
+    # The output projection runs in float32 on the (bfloat16) final activations: the
+    # logits are not bfloat16-rounded (a bfloat16 matmul has 8 mantissa bits).
+    rounded = np.asarray(logits.astype(jnp.bfloat16).astype(jnp.float32))
+    assert np.any(np.asarray(logits) != rounded)
+
+
+def test_attention_dropout_is_broadcast_over_queries_as_t5x():
+    # T5X's dot_product_attention draws one keep-mask per (batch, head, key) and
+    # broadcasts it over the queries (dropout_shape[-2] = 1). With identical queries
+    # and no mask or bias, every query's output is then identical; examples and heads
+    # get different masks.
+    attn = t5.MultiHeadAttention(num_heads=2, head_dim=4, dropout_rate=0.5)
+    rng = np.random.default_rng(0)
+    kv = jnp.asarray(rng.normal(size=(1, 6, 8)), jnp.float32)
+    kv = jnp.concatenate([kv, kv], axis=0)  # two identical examples
+    q = jnp.broadcast_to(jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32), (2, 5, 8))
+    variables = attn.init(jax.random.key(0), q, kv)
+    out, state = attn.apply(variables, q, kv, deterministic=False,
+                            rngs={"dropout": jax.random.key(3)}, mutable=["intermediates"])
+    out = np.asarray(out)
+    np.testing.assert_allclose(out, np.broadcast_to(out[:, :1], out.shape), rtol=1e-6)
+    assert not np.allclose(out[0], out[1])  # a different mask per example
+    clean = np.asarray(attn.apply(variables, q, kv))
+    assert not np.allclose(out, clean)
+
+
+def test_relative_position_config_without_log_buckets_is_rejected():
+    # num_buckets 32: the causal decoder has 16 exact buckets, so max_distance must be > 16
+    # (with <= 16 the logarithmic buckets divide by log(max_distance / 16) <= 0: NaN).
+    with pytest.raises(ValueError, match=r"relative_attention_max_distance=16 must be > "
+                                         r"relative_attention_num_buckets // 2 = 16"):
+        t5.T5Config(relative_attention_num_buckets=32, relative_attention_max_distance=16)
+    with pytest.raises(ValueError, match="relative_attention_max_distance=8"):
+        t5.T5Config(relative_attention_num_buckets=32, relative_attention_max_distance=8)
+    cfg = t5.T5Config(relative_attention_num_buckets=32, relative_attention_max_distance=17)
+    assert cfg.relative_attention_max_distance == 17
+    with pytest.raises(ValueError, match="max_distance=4 must be > the number of exact "
+                                         "buckets 4"):
+        t5.relative_position_bucket(jnp.arange(10), bidirectional=False, num_buckets=8,
+                                    max_distance=4)
+    # The smallest accepted configuration gives finite biases at every distance.
+    small = dataclasses.replace(TINY, relative_attention_num_buckets=8,
+                                relative_attention_max_distance=5)
+    module = t5.Transformer(small)
+    enc = jnp.tile(ENC, (1, 3))
+    params = nn.unbox(module.init(jax.random.key(0), enc, DEC_IN, DEC_TGT,
+                                  enable_dropout=False))["params"]
+    assert np.all(np.isfinite(np.asarray(_logits(module, params, enc=enc))))
 
 
 def test_config_validation():
@@ -239,6 +297,24 @@ def test_encoder_input_prompt_is_prepended(tiny):
     other = _apply(cond)(variables, ENC, DEC_IN, DEC_TGT, jnp.array([0, 2]), enable_dropout=False)
     assert not np.allclose(logits[0], other[0])
     np.testing.assert_allclose(logits[1], other[1], atol=1e-6)
+
+
+def test_input_prompts_refuse_packed_inputs(tiny):
+    # Prompts prepended once per row would be shared by a packed row's segments, whose
+    # encoder states would then mix through the prompts' states: refused, naming the option.
+    cond = t5.Transformer(TINY, encoder_cls=_PromptEncoder)
+    task_id = jnp.array([1])
+    enc = jnp.array([[5, 6, 7, 1, 8, 9, 1, 0]])
+    seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]])
+    dec_in = jnp.array([[0, 11, 12, 13, 0, 14, 15, 0]])
+    variables = cond.init(jax.random.key(2), enc, dec_in, dec_in, task_id, enable_dropout=False)
+    with pytest.raises(ValueError, match=r"packed inputs.*MultiTaskInput\.pack = False"):
+        cond.apply(variables, enc, dec_in, dec_in, task_id, seg, seg, enable_dropout=False)
+    encoded = cond.apply(variables, enc, task_id, enable_dropout=False,
+                         method=t5.Transformer.encode)
+    with pytest.raises(ValueError, match="packed inputs"):
+        cond.apply(variables, encoded, enc, dec_in, dec_in, task_id, seg, seg,
+                   enable_dropout=False, method=t5.Transformer.decode)
 
 
 def test_sharded_forward_on_2x4_mesh(tiny):
