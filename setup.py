@@ -21,6 +21,7 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "scipy==1.17.1",
     "matplotlib==3.11.2",
+    "safetensors==0.8.0",  # checkpoint and fixture weights (no pickle)
 ]
 
 setuptools.setup(

@@ -658,6 +658,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI edge: one line, traceback to a file
         if args.debug:
             raise
+        if args.command == "analyze" and isinstance(e, (FileNotFoundError, ValueError)):
+            print(f"ktx: {_first_line(e)}", file=sys.stderr)  # a wrong analyze argument
+            return 2
         _report_failure(e, args.command)
         return 1
 
@@ -679,6 +682,11 @@ def _run(args, bindings) -> int:
     data_dir = _query_macro("DATA_DIR")
     if data_dir:
         os.environ["KTX_DATA_DIR"] = str(data_dir)
+    from ktx.data import files as data_files
+
+    # ON_BAD_ROW (runs/*.gin): "raise" or "skip" for every file this command reads;
+    # None: $KTX_ON_BAD_ROW, else "raise".
+    data_files.set_on_bad_row(_query_macro("ON_BAD_ROW"))
     if args.command == "params":
         _params_command(files, bindings)
         return 0

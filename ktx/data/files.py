@@ -7,7 +7,8 @@ skipped and counted (and the count logged) instead of being silently dropped.
 
 The policy of the registered tasks is this process's default (`set_on_bad_row`, else the
 `KTX_ON_BAD_ROW` environment variable, else "raise"), read when a file is read. From gin
-(`ktx train`): `pipeline.MultiTaskInput.on_bad_row = 'skip'` applies it to the reads of
+(every command): `ON_BAD_ROW = 'skip'` in runs/*.gin (`--gin.ON_BAD_ROW="'skip'"`) sets it; for one
+input, `pipeline.MultiTaskInput.on_bad_row = 'skip'` applies it to the reads of
 that input (`--gin.pipeline.MultiTaskInput.on_bad_row="'skip'"`).
 """
 
@@ -47,10 +48,9 @@ BAD_ROW_POLICIES = ("raise", "skip")
 _BOM = "\ufeff"
 # How to switch to "skip", in every way that reaches the readers (the error message).
 SKIP_HOW_TO = (
-    "to skip and count such rows instead, add "
-    "--gin.pipeline.MultiTaskInput.on_bad_row=\"'skip'\" to `ktx train` (runs/train.gin), "
-    f"or set the environment variable {ON_BAD_ROW_ENV}=skip (any ktx command), or call "
-    "ktx.data.files.set_on_bad_row('skip') in Python"
+    "to skip and count such rows instead, add --gin.ON_BAD_ROW=\"'skip'\" to the ktx "
+    f"command (runs/train.gin, eval.gin, infer.gin), or set the environment variable "
+    f"{ON_BAD_ROW_ENV}=skip, or call ktx.data.files.set_on_bad_row('skip') in Python"
 )
 _policy: dict[str, str | None] = {"default": None}
 

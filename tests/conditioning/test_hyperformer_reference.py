@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import struct
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from ktx.conditioning.adapters import apply_adapter
 from ktx.conditioning.hyperformer import HyperFormer
@@ -28,29 +28,6 @@ BLOCK_TYPE = {"self_attention": 1, "feed_forward": 0}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _load_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """`safetensors.numpy.load_file`, or the same format read directly (8-byte header
-    length, JSON header, raw little-endian data) when the package is not installed."""
-    try:
-        from safetensors.numpy import load_file
-    except ImportError:
-        pass
-    else:
-        return load_file(str(path))
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    dtypes = {"F32": "<f4", "F64": "<f8", "F16": "<f2", "I64": "<i8", "I32": "<i4"}
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        buf = raw[8 + n + start : 8 + n + end]
-        out[name] = np.frombuffer(buf, dtypes[info["dtype"]]).reshape(info["shape"]).copy()
-    return out
-
-
 def _fixture(variant: str):
     directory = HERE / variant
     if not (directory / "weights.safetensors").exists():
@@ -59,7 +36,7 @@ def _fixture(variant: str):
             "to the folder holding hyperformer/)"
         )
     config = json.loads((directory / "reference.json").read_text())
-    weights = _load_safetensors(directory / "weights.safetensors")
+    weights = load_file(str(directory / "weights.safetensors"))
     expected = dict(np.load(directory / "expected.npz"))
     return config, weights, expected
 

@@ -4,6 +4,8 @@ A task over a file with one unreadable row raises by default, naming file and li
 the ways to skip; each of those ways then reads the file with the row skipped.
 """
 
+import pathlib
+
 import gin
 import pytest
 import seqio
@@ -43,7 +45,7 @@ def test_default_raises_naming_line_and_every_way_to_skip(bad_task):
         MultiTaskInput(TASK, LENGTHS, batch_size=2, process_index=0, process_count=1)
     message = str(error.value)
     assert f"{bad_task}:4: unknown tag 'I-Gene'" in message
-    assert f"--gin.{BINDING}=\"'skip'\"" in message
+    assert "--gin.ON_BAD_ROW=\"'skip'\"" in message
     assert "KTX_ON_BAD_ROW=skip" in message and "ktx.data.files.set_on_bad_row('skip')" in message
 
 
@@ -60,7 +62,7 @@ def test_gin_binding_skips_for_that_input_only(bad_task):
         MultiTaskInput(TASK, LENGTHS, batch_size=2, on_bad_row="ignore")
 
 
-def test_train_gin_accepts_the_recommended_flag(bad_task):
+def test_train_gin_accepts_the_input_binding(bad_task):
     from ktx import cli
     from tests.tiny_t5_gin import tiny_t5_gin
 
@@ -68,6 +70,37 @@ def test_train_gin_accepts_the_recommended_flag(bad_task):
     model.write_text(tiny_t5_gin(), encoding="utf-8")
     cli.parse_gin([str(model), "runs/train.gin"], [(BINDING, "'skip'")])
     assert gin.query_parameter(f"ktx.data.{BINDING}") == "skip"
+
+
+@pytest.mark.parametrize("run_file", ["runs/train.gin", "runs/eval.gin", "runs/infer.gin"])
+def test_recommended_flag_sets_the_policy_of_every_command(bad_task, run_file, monkeypatch):
+    """`--gin.ON_BAD_ROW="'skip'"` (the flag the error recommends) is what `ktx train`,
+    `ktx eval` and `ktx infer` apply before reading any file."""
+    from ktx import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_call_entry", lambda *a, **k: seen.setdefault("policy", files.get_on_bad_row()))
+    monkeypatch.setattr(cli, "_check_run_macros", lambda command: None)
+    monkeypatch.setattr(cli, "_write_config", lambda *a, **k: None)
+    import ktx.eval
+
+    monkeypatch.setattr(ktx.eval, "format_table", lambda summary: "")
+    from tests.tiny_t5_gin import tiny_t5_gin
+
+    model = bad_task.parent / "tiny.gin"
+    model.write_text(tiny_t5_gin(), encoding="utf-8")
+    command = run_file.split("/")[1].split(".")[0]
+    required = {"MODEL_DIR": "'/tmp/x'", "CHECKPOINT_PATH": "'/tmp/x'", "INFER_OUTPUT_FILE": "'/tmp/x.jsonl'",
+                "MIXTURE_OR_TASK_NAME": f"'{TASK}'", "TASK_FEATURE_LENGTHS": str(LENGTHS), "TRAIN_STEPS": "1"}
+    text = pathlib.Path(cli.DEFAULT_GIN_DIR / run_file).read_text()
+    flags = [f"--gin.{k}={v}" for k, v in required.items() if f"\n{k} = " in text]
+    assert cli.main([command, f"--gin_file={run_file}", f"--gin_file={model}",
+                     "--gin.ON_BAD_ROW='skip'", *flags]) == 0
+    assert seen["policy"] == "skip"
+    seen.clear()
+    gin.clear_config()
+    assert cli.main([command, f"--gin_file={run_file}", f"--gin_file={model}", *flags]) == 0
+    assert seen["policy"] == "raise"
 
 
 def test_environment_and_python_setting(bad_task, monkeypatch):
