@@ -24,13 +24,14 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ktx import partitioning
 from ktx.data.recsys import MultiBehaviorData, RecsysTrainInput
-from ktx.models.base import BaseModel
+from ktx.models.base import BaseModel, with_row_ids
 from ktx.models.recsys import RecsysModel
 from ktx.ranking_eval import RankingEvaluator
 from ktx.train import EarlyStopping
@@ -90,6 +91,7 @@ def train_step(
       `(state, {"loss": scalar, "task_losses": [T]})`.
     """
     step_rng = jax.random.fold_in(rng, state.step)
+    batch = with_row_ids(batch)  # dropout keyed per row, as in ktx.trainer.train_step
     normalizer = model.normalizer(batch)
     params = state.params
     if balancer is None:
@@ -109,7 +111,8 @@ def train_step(
         )
         balancer_state, optimizer_state = state.opt_state
         grads, balancer_state = balancer.update(
-            task_grads, balancer_state, params, task_losses=task_losses
+            task_grads, balancer_state, params, task_losses=task_losses,
+            task_present=jnp.bincount(batch["task_id"], length=model.num_tasks) > 0,
         )
         updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
         opt_state = (balancer_state, optimizer_state)

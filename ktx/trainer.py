@@ -1,8 +1,10 @@
 """Pure train/eval steps and a thin `Trainer` that partitions and compiles them.
 
 `train_step(state, batch, rng) -> (state, metrics)` is a pure function (T5X style):
-the dropout key is `fold_in(rng, state.step)` (and the microbatch index), so a run
-restarted from a checkpoint at step s draws exactly the keys it would have drawn.
+the dropout key is `fold_in(rng, state.step)`, so a run restarted from a checkpoint at
+step s draws exactly the keys it would have drawn; the rows of the batch are numbered
+(`ROW_ID`) before any split, and models key dropout per row, so the plain, blocked,
+one-hot VJP and microbatched paths compute the same gradient.
 
 Two gradient paths, one compiled step each:
 
@@ -36,7 +38,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ktx import optimizers, partitioning
-from ktx.models.base import BaseModel
+from ktx.models.base import BaseModel, with_row_ids
 
 __all__ = [
     "TrainState",
@@ -114,6 +116,9 @@ def train_step(
         )
     num_tasks = model.num_tasks
     step_rng = jax.random.fold_in(rng, state.step)
+    # Rows are numbered before the batch is cut into task blocks or microbatches: dropout
+    # is keyed per row (ktx.models.base.row_keys), so every path draws the same masks.
+    batch = with_row_ids(batch)
     normalizer = model.normalizer(batch)
     params = state.params
 
@@ -143,7 +148,8 @@ def train_step(
 
             def body(carry, xs):
                 i, mb = xs
-                out = task_grads_fn(mb, jax.random.fold_in(step_rng, i), None, "vjp")
+                del i
+                out = task_grads_fn(mb, step_rng, None, "vjp")
                 return jax.tree.map(jnp.add, carry, out), None
 
             (task_losses, aux, task_grads), _ = jax.lax.scan(
@@ -154,7 +160,8 @@ def train_step(
         balancer, optimizer = tx_parts
         balancer_state, optimizer_state = state.opt_state
         grads, balancer_state = balancer.update(
-            task_grads, balancer_state, params, task_losses=task_losses
+            task_grads, balancer_state, params, task_losses=task_losses,
+            task_present=_rows_per_task(batch, num_tasks) > 0,
         )
         grad_norm = optax.tree.norm(grads)
         updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
@@ -178,7 +185,8 @@ def train_step(
 
             def body(carry, xs):
                 i, mb = xs
-                out = grad_fn(params, mb, jax.random.fold_in(step_rng, i))
+                del i
+                out = grad_fn(params, mb, step_rng)
                 return jax.tree.map(jnp.add, carry, out), None
 
             (grads, (task_losses, aux)), _ = jax.lax.scan(

@@ -16,6 +16,12 @@ A model wraps a Flax module (as T5X's `BaseModel` does) and exposes its loss *pe
 The gradient engine evaluates `loss_sums` on sub-batches (one block per task) and
 divides by the normalizer of the *whole* batch, so per-task gradients add up to the
 gradient of `loss_fn` exactly.
+
+Dropout is keyed per example: the randomness of row `i` is a function of `(rng,
+batch[ROW_ID][i])` only (`row_keys`; `ROW_ID` defaults to the row's position). The
+trainer numbers the rows of the global batch before it is cut into task blocks or
+microbatches, so every way of evaluating a batch (whole, blocks, one-hot VJP,
+microbatches) draws the same masks and computes the same gradient for the same rng.
 """
 
 from __future__ import annotations
@@ -24,13 +30,56 @@ import abc
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Batch", "BaseModel", "LOSS_NORMALIZATIONS", "segment_sum_by_task"]
+__all__ = [
+    "Batch", "BaseModel", "LOSS_NORMALIZATIONS", "ROW_ID", "RowDropout", "row_ids", "row_keys",
+    "segment_sum_by_task", "with_row_ids",
+]
 
 Batch = Mapping[str, jax.Array]
 LOSS_NORMALIZATIONS = ("global", "per_task")
+
+
+ROW_ID = "row_id"
+
+
+def with_row_ids(batch: Batch) -> dict[str, jax.Array]:
+    """`batch` with `ROW_ID` = each row's position `[B]` (kept if already there)."""
+    batch = dict(batch)
+    if ROW_ID not in batch:
+        n = next(iter(batch.values())).shape[0]
+        batch[ROW_ID] = jnp.arange(n, dtype=jnp.int32)
+    return batch
+
+
+def row_ids(batch: Batch) -> jax.Array:
+    """`[B]` row numbers: `batch[ROW_ID]`, else the positions `0..B-1`."""
+    return with_row_ids(batch)[ROW_ID]
+
+
+def row_keys(rng: jax.Array, batch: Batch) -> jax.Array:
+    """`[B]` dropout keys `fold_in(rng, row_id)`: a row's randomness depends on the rng
+    and its row number only, never on which rows share its (sub-)batch."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, row_ids(batch))
+
+
+class RowDropout(nn.Module):
+    """Inverted dropout whose mask for row `i` of `[B, ...]` is drawn from
+    `fold_in(make_rng("dropout"), ids[i])`: the same mask whatever other rows the batch
+    holds (see the module docstring)."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array, ids: jax.Array, deterministic: bool) -> jax.Array:
+        if deterministic or self.rate == 0.0:
+            return x
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.make_rng("dropout"), ids)
+        keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - self.rate, x.shape[1:]))(keys)
+        return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
 
 
 def segment_sum_by_task(values: jax.Array, task_id: jax.Array, num_tasks: int) -> jax.Array:

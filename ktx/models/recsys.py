@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from ktx import partitioning as P
-from ktx.models.base import BaseModel, Batch, segment_sum_by_task
+from ktx.models.base import BaseModel, Batch, RowDropout, row_ids, segment_sum_by_task
 
 __all__ = [
     "SharedBottomNet",
@@ -89,17 +89,26 @@ class SharedBottomNet(nn.Module):
         )
         self.bottom = _Mlp(tuple(self.mlp_dims), name="bottom")
         self.towers = _StackedTowers(self.num_tasks, tuple(self.tower_dims), name="towers")
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = RowDropout(self.dropout_rate)
 
     def embed(self, user: jax.Array, item: jax.Array) -> tuple[jax.Array, jax.Array]:
         """`[B]` ids -> `([B, embed], [B, embed])`."""
         return self.user_embedding(user), self.item_embedding(item)
 
-    def __call__(self, user: jax.Array, item: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(
+        self, user: jax.Array, item: jax.Array, train: bool = False, ids: jax.Array | None = None
+    ) -> jax.Array:
+        """`ids`: `[B]` row numbers keying the dropout masks (default: positions)."""
         u, i = self.embed(user, item)
-        h = self.bottom(jnp.concatenate([u, i], axis=-1), self.dropout, train)
+        if ids is None:
+            ids = jnp.arange(user.shape[0], dtype=jnp.int32)
+
+        def dropout(x):
+            return self.dropout(x, ids, deterministic=not train)
+
+        h = self.bottom(jnp.concatenate([u, i], axis=-1), dropout)
         shared = jnp.concatenate([h, u * i], axis=-1)  # [B, mlp_dims[-1] + embed]
-        return self.towers(shared, self.dropout, train)  # [B, T]
+        return self.towers(shared, dropout)  # [B, T]
 
 
 class _Mlp(nn.Module):
@@ -108,7 +117,7 @@ class _Mlp(nn.Module):
     dims: tuple[int, ...]
 
     @nn.compact
-    def __call__(self, x, dropout: nn.Dropout, train: bool):
+    def __call__(self, x, dropout):
         for k, d in enumerate(self.dims):
             x = nn.Dense(
                 d,
@@ -118,7 +127,7 @@ class _Mlp(nn.Module):
                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (P.MLP,)),
                 name=f"layer_{k}",
             )(x)
-            x = dropout(nn.relu(x), deterministic=not train)
+            x = dropout(nn.relu(x))
         return x
 
 
@@ -129,7 +138,7 @@ class _StackedTowers(nn.Module):
     dims: tuple[int, ...]
 
     @nn.compact
-    def __call__(self, x, dropout: nn.Dropout, train: bool):
+    def __call__(self, x, dropout):
         T = self.num_tasks
         kinit = nn.initializers.lecun_normal(batch_axis=(0,))
         h = None
@@ -149,7 +158,7 @@ class _StackedTowers(nn.Module):
                 h = jnp.einsum("bi,tid->btd", x, w) + b
             else:
                 h = jnp.einsum("bti,tid->btd", h, w) + b
-            h = dropout(nn.relu(h), deterministic=not train)
+            h = dropout(nn.relu(h))
         w = self.param(
             "out_kernel",
             nn.with_logical_partitioning(kinit, (P.TASKS, P.MLP)),
@@ -245,7 +254,7 @@ class RecsysModel(BaseModel):
         if train and rngs is None and self.dropout_rate > 0:
             raise ValueError("RecsysModel.logits: train=True with dropout needs an rng")
         all_logits = self.module.apply(
-            {"params": params}, batch["user"], batch["item"], train, rngs=rngs
+            {"params": params}, batch["user"], batch["item"], train, row_ids(batch), rngs=rngs
         )  # [B, T]
         task_id = jnp.asarray(batch["task_id"])
         return jnp.take_along_axis(all_logits, task_id[:, None], axis=1)[:, 0]

@@ -33,7 +33,13 @@ import jax.numpy as jnp
 
 from ktx import decoding
 from ktx.models import t5
-from ktx.models.base import LOSS_NORMALIZATIONS, Batch, BaseModel, segment_sum_by_task
+from ktx.models.base import (
+    LOSS_NORMALIZATIONS,
+    Batch,
+    BaseModel,
+    row_keys,
+    segment_sum_by_task,
+)
 
 __all__ = ["EncoderDecoderModel", "weighted_cross_entropy", "infusion_term", "DECODE_METHODS"]
 
@@ -251,15 +257,25 @@ class EncoderDecoderModel(BaseModel):
             raise ValueError(
                 f"train=True with dropout_rate={self.config.dropout_rate} needs an rng"
             )
-        rngs = {"dropout": rng} if dropout else {}
         features = {k: batch[k] for k in _REQUIRED[:4] if k != "decoder_loss_weights"}
         features["task_id"] = batch["task_id"]
         for k in _PACKING:
             if k in batch:
                 features[k] = batch[k]
-        return self.module.apply(
-            {"params": params}, **features, enable_dropout=dropout, rngs=rngs, mutable=mutable
-        )
+        if not dropout:
+            return self.module.apply(
+                {"params": params}, **features, enable_dropout=False, mutable=mutable)
+        if mutable:
+            raise ValueError("logits(mutable=...) needs train=False (or dropout_rate=0)")
+
+        # Dropout keyed per example (`ktx.models.base.row_keys`): row i's masks depend on
+        # (rng, row id) only, so task blocks and microbatches draw the whole batch's masks.
+        def one(row, key):
+            row = {k: v[None] for k, v in row.items()}
+            return self.module.apply(
+                {"params": params}, **row, enable_dropout=True, rngs={"dropout": key})[0]
+
+        return jax.vmap(one)(features, row_keys(rng, batch))
 
     def task_weights(self, batch: Batch) -> jax.Array:
         """`[T]` number of (weighted) target tokens of each task."""

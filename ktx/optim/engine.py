@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ktx.optim.selection import shared_mask
 from ktx.optim.sparse import SparseLookups
@@ -70,7 +71,38 @@ def _validate_counts(task_counts: Sequence[int], num_tasks: int, batch: Mapping)
             f"task_counts={counts!r} sum to {sum(counts)} but the batch has {n} rows; with "
             "method='blocks' the batch must be task-partitioned (interface §3)"
         )
+    if "task_id" in batch:
+        _check_layout(batch["task_id"], counts)
     return counts
+
+
+def _layout_error(counts: tuple[int, ...], first_bad: int, got: int) -> ValueError:
+    return ValueError(
+        f"task_counts={counts!r} say rows are grouped by task (task t in rows "
+        f"[sum(counts[:t]), sum(counts[:t+1])) ), but row {first_bad} has task_id {got}; "
+        "give a task-partitioned batch or no task_counts (the VJP path takes any batch)"
+    )
+
+
+def _check_layout(task_id: Any, counts: tuple[int, ...]) -> None:
+    """The rows' `task_id` must match the blocks `counts` describe: checked now for a
+    concrete array, inside the compiled step (a host callback that raises, O(B)) for a
+    traced one."""
+    expected = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    if not isinstance(task_id, jax.core.Tracer):
+        got = np.asarray(task_id)
+        bad = np.flatnonzero(got != expected)
+        if bad.size:
+            raise _layout_error(counts, int(bad[0]), int(got[bad[0]]))
+        return
+    mismatch = jnp.asarray(task_id) != jnp.asarray(expected)
+    first = jnp.argmax(mismatch)
+
+    def fail_if(any_bad, index, value):
+        if bool(any_bad):
+            raise _layout_error(counts, int(index), int(value))
+
+    jax.debug.callback(fail_if, mismatch.any(), first, jnp.asarray(task_id)[first])
 
 
 def _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, counts):

@@ -11,6 +11,10 @@ with relax factor `r`; the strategy applies to an auxiliary task when
 `m_t > m_tar` (`"reduce"`), `m_t < m_tar` (`"enlarge"`) or always (`"both"`, the only
 one the authors' implementation has). `use_moving_average=False` uses `||G_t||` of the
 current step instead of `m_t`. Unshared parameters get the sum of their task gradients.
+
+A task with no rows in the batch (`task_present=` from the trainer, else every one of
+its gradients exactly zero) leaves its moving average untouched and gets weight 1 (its
+gradient is zero); while the target has no average yet, auxiliary weights are 1.
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ def metabalance(
         ones = jax.tree.map(lambda _: jnp.ones((t,), jnp.float32), params)
         return MetaBalanceState(jnp.zeros([], jnp.int32), zeros, ones)
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, task_present=None, **extra):
         del params, extra
         stacked, summed, treedef = flatten_task_gradients(updates)
         t = num_tasks_of(stacked)
@@ -121,10 +125,15 @@ def metabalance(
         new_m: dict[str, jax.Array] = {}
         weights: dict[str, jax.Array] = {}
         aux_mask = jnp.arange(t) != target_task
+        if task_present is None:
+            present = sum(group_sq.values()) > 0
+        else:
+            present = jnp.asarray(task_present).astype(bool).reshape(t)
         for name, sq in group_sq.items():
             norm = jnp.sqrt(sq)
             idx = names.index(name)
             m = b * m_leaves[idx] + (1.0 - b) * norm if use_moving_average else norm
+            m = jnp.where(present, m, m_leaves[idx])  # an absent task keeps its average
             m_tar = m[target_task]
             if strategy == "reduce":
                 applies = m > m_tar
@@ -132,7 +141,7 @@ def metabalance(
                 applies = m < m_tar
             else:
                 applies = jnp.ones_like(aux_mask)
-            applies = applies & aux_mask
+            applies = applies & aux_mask & present & (m_tar > 0)
             scaled = m_tar / (m + eps) * r + (1.0 - r)
             new_m[name] = m
             weights[name] = jnp.where(applies, scaled, 1.0).astype(jnp.float32)

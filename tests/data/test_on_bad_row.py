@@ -126,7 +126,7 @@ def test_real_quora_validation_reads_with_skip(data_dir):
     config.set_data_dir(data_dir)
     try:
         task = seqio.get_mixture_or_task("cs224n_quora_v001")
-        with pytest.raises(files.DataFileError, match=r"quora-dev\.csv:2577:.*on_bad_row=\"'skip'\""):
+        with pytest.raises(files.DataFileError, match=r"quora-dev\.csv:2577:.*ON_BAD_ROW=\"'skip'\""):
             task.num_input_examples("validation")
         with files.on_bad_row_policy("skip"):
             # 20,214 rows; lines 2577 and 14222 have an empty label.

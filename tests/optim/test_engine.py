@@ -131,3 +131,24 @@ def ko_names(params):
     from ktx.optim import param_names
 
     return param_names(params)
+
+
+def test_rows_not_grouped_as_the_counts_say_fail_loudly():
+    """task_counts promise contiguous task blocks; a batch whose task_id disagrees
+    (here: rows interleaved) fails, eagerly and inside a compiled step."""
+    from tests.optim.tiny_model import TinyModel, make_batch
+
+    model = TinyModel(num_tasks=3)
+    batch = make_batch((2, 3, 2))
+    shuffled = dict(batch, task_id=jnp.asarray([0, 1, 0, 1, 2, 1, 2], jnp.int32))
+    params = model.init_variables(jax.random.key(0), batch)["params"]
+
+    def run(b):
+        return compute_task_gradients(lambda p, x: model.loss_sums(p, x), model.normalizer(b),
+                                      params, b, num_tasks=3, task_counts=(2, 3, 2), method="blocks")
+
+    with pytest.raises(ValueError, match="row 1 has task_id 1"):
+        run(shuffled)
+    with pytest.raises(Exception, match="row 1 has task_id 1"):
+        jax.block_until_ready(jax.jit(run)(shuffled))
+    jax.block_until_ready(jax.jit(run)(batch))  # a grouped batch passes

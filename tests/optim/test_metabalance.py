@@ -89,3 +89,31 @@ def test_bad_arguments():
         metabalance(relax_factor=1.5)
     with pytest.raises(ValueError, match="num_tasks"):
         metabalance().init({"w": jnp.zeros(1)})
+
+
+def test_absent_task_keeps_its_moving_average():
+    """A task with no rows in a batch (all-zero gradient) neither drags its moving
+    average towards 0 nor gets a huge logged weight; later steps continue as if the
+    step had not happened for it. An absent target leaves the auxiliaries' averages."""
+    tx = metabalance(relax_factor=0.7, beta=0.9, num_tasks=3)
+    params = {"w": jnp.zeros((2,))}
+    state = tx.init(params)
+    g = {"w": jnp.array([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]])}  # norms 5, 1, 2
+    _, state = tx.update(g, state, params)
+    m1 = np.asarray(state.moving_norms["w"])
+    np.testing.assert_allclose(m1, [0.5, 0.1, 0.2], rtol=1e-6)
+    absent = {"w": g["w"].at[1].set(0.0)}
+    _, state = tx.update(absent, state, params)
+    m2 = np.asarray(state.moving_norms["w"])
+    np.testing.assert_allclose(m2, [0.95, 0.1, 0.38], rtol=1e-6)  # task 1 untouched
+    assert np.asarray(state.weights["w"])[1] == 1.0
+    # Explicit presence (the trainer's row counts) wins over the zero-norm rule.
+    _, state2 = tx.update(g, state, params, task_present=jnp.array([True, False, True]))
+    np.testing.assert_allclose(np.asarray(state2.moving_norms["w"])[1], 0.1, rtol=1e-6)
+    # An absent target: auxiliaries' averages move, the target's does not; weights use it.
+    no_target = {"w": g["w"].at[0].set(0.0)}
+    _, state3 = tx.update(no_target, state, params)
+    m3 = np.asarray(state3.moving_norms["w"])
+    np.testing.assert_allclose(m3[0], m2[0], rtol=1e-6)
+    w3 = np.asarray(state3.weights["w"])
+    np.testing.assert_allclose(w3[2], m3[0] / m3[2] * 0.7 + 0.3, rtol=1e-5)
