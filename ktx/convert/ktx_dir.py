@@ -1,0 +1,206 @@
+"""ktx checkpoint directories made from other formats, and back (`ktx import` / `ktx export`).
+
+`import_checkpoint("hf:DIR" | "t5x:DIR", OUT)` writes
+
+    OUT/model.gin                 binds MODEL to the matching ktx T5 (include it as a model file)
+    OUT/checkpoints/0/state       orbax: step 0, the parameters, no optimizer state
+    OUT/checkpoints/0/meta        JSON: step, source, t5_config (the T5Config fields)
+
+which `ktx.checkpoints.load_initial_params` / `resolve_checkpoint` read like a run
+directory (`INITIAL_CHECKPOINT_PATH = 'OUT'`). `export_checkpoint(SRC, "hf:DIR")` reads
+the parameters of a ktx run or checkpoint (latest step or `step`) and writes a Hugging
+Face T5 directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ktx.convert import layout
+from ktx.convert.atomic import atomic_directory
+from ktx.convert.hf_t5 import Imported, read_hf_t5, write_hf_t5
+from ktx.convert.t5x import read_t5x
+from ktx.models.t5 import T5Config
+
+__all__ = [
+    "SOURCE_PREFIXES",
+    "is_source",
+    "load_source",
+    "model_gin",
+    "write_ktx_checkpoint",
+    "read_ktx_checkpoint",
+    "import_checkpoint",
+    "export_checkpoint",
+]
+
+SOURCE_PREFIXES = ("hf", "t5x")
+
+
+def _split(source: str | os.PathLike) -> tuple[str | None, str]:
+    text = os.fspath(source)
+    prefix, sep, rest = text.partition(":")
+    return (prefix, rest) if sep and prefix in SOURCE_PREFIXES else (None, text)
+
+
+def is_source(path: Any) -> bool:
+    """Whether `path` is an `hf:` / `t5x:` checkpoint source."""
+    return isinstance(path, (str, os.PathLike)) and _split(path)[0] is not None
+
+
+def load_source(source: str | os.PathLike) -> Imported:
+    """Reads `hf:DIR` (Hugging Face T5 directory) or `t5x:DIR` (T5X checkpoint)."""
+    prefix, path = _split(source)
+    if prefix is None:
+        raise ValueError(
+            f"checkpoint source {os.fspath(source)!r}: accepted: 'hf:DIR' (a Hugging Face T5 "
+            "directory) or 't5x:DIR' (a T5X checkpoint_<step> or model directory)"
+        )
+    if not path:
+        raise ValueError(f"checkpoint source {os.fspath(source)!r} names no directory")
+    return read_hf_t5(path) if prefix == "hf" else read_t5x(path)
+
+
+def model_gin(config: T5Config, source: str = "") -> str:
+    """A gin model file (the layout of gin/models/t5_1_1_*.gin) binding MODEL to a plain
+    ktx T5 of `config`'s shape."""
+    acts = tuple(config.mlp_activations)
+    return f"""# ktx T5 matching {source or 'an imported checkpoint'} (written by `ktx import`).
+# Binds MODEL; include it as a model file, then start a run from the parameters with
+#   --gin.INITIAL_CHECKPOINT_PATH="'<this directory>'"
+# Conditioning files (gin/conditioning/*.gin) go after it.
+from __gin__ import dynamic_registration
+import ktx.models.seq2seq as seq2seq
+import ktx.models.t5 as t5
+
+NUM_TASKS = 1
+VOCAB_SIZE = {config.vocab_size}  # the checkpoint's vocabulary: the tasks must use the same one
+DROPOUT_RATE = {float(config.dropout_rate)!r}  # the checkpoint config's rate
+ACTIVATION_DTYPE = {config.dtype!r}  # 'bfloat16' trains faster; parameters stay float32
+Z_LOSS = 1e-4
+LABEL_SMOOTHING = 0.0
+INFUSION_BETA = 0.0
+LOSS_NORMALIZATION = 'global'
+
+MODEL = @seq2seq.EncoderDecoderModel()
+seq2seq.EncoderDecoderModel:
+  config = @t5.T5Config()
+  num_tasks = %NUM_TASKS
+  loss_normalization = %LOSS_NORMALIZATION
+  z_loss = %Z_LOSS
+  label_smoothing = %LABEL_SMOOTHING
+  infusion_beta = %INFUSION_BETA
+
+t5.T5Config:
+  vocab_size = %VOCAB_SIZE
+  emb_dim = {config.emb_dim}
+  num_heads = {config.num_heads}
+  num_encoder_layers = {config.num_encoder_layers}
+  num_decoder_layers = {config.num_decoder_layers}
+  head_dim = {config.head_dim}
+  mlp_dim = {config.mlp_dim}
+  mlp_activations = {acts!r}
+  dropout_rate = %DROPOUT_RATE
+  dtype = %ACTIVATION_DTYPE
+  relative_attention_num_buckets = {config.relative_attention_num_buckets}
+  relative_attention_max_distance = {config.relative_attention_max_distance}
+  logits_via_embedding = {bool(config.logits_via_embedding)}
+"""
+
+
+def write_ktx_checkpoint(
+    params: Mapping[str, Any], config: T5Config, out: str | os.PathLike, *, source: str = ""
+) -> pathlib.Path:
+    """Writes `params` (checked against `config`) as a ktx checkpoint directory (step 0,
+    `model.gin`); all or nothing (`out` must be new or empty)."""
+    from ktx.checkpoints import CheckpointManager
+    from ktx.trainer import TrainState
+
+    flat = {k: np.asarray(v, np.float32) for k, v in layout.flatten(params).items()}
+    layout.check_params(flat, config, where=source or "the parameters")
+    with atomic_directory(out) as tmp:
+        (tmp / "model.gin").write_text(model_gin(config, source))
+        manager = CheckpointManager(tmp, save_period=1)
+        state = TrainState(step=np.int32(0), params=layout.unflatten(flat), opt_state=())
+        manager.save(state, force=True, meta={
+            "source": source, "t5_config": layout.config_to_dict(config)})
+        manager.close()
+    return pathlib.Path(out).expanduser().absolute()
+
+
+def import_checkpoint(source: str | os.PathLike, out: str | os.PathLike) -> pathlib.Path:
+    """`ktx import`: converts `hf:DIR` / `t5x:DIR` into the ktx checkpoint directory
+    `out`; returns its absolute path. Nothing is written when reading fails."""
+    imported = load_source(source)
+    return write_ktx_checkpoint(imported.params, imported.config, out, source=imported.source)
+
+
+def read_ktx_checkpoint(
+    path: str | os.PathLike, step: int | None = None
+) -> tuple[dict[str, np.ndarray], T5Config | None, pathlib.Path]:
+    """The parameters (flat `{path: array}`, host numpy) of a ktx run / checkpoints /
+    step directory (latest step unless `step`), the `T5Config` its metadata records
+    (checkpoints written by `ktx import`; None otherwise) and the step directory."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from ktx.checkpoints import _reading, resolve_checkpoint
+
+    step_dir = resolve_checkpoint(path, step)
+
+    def read():
+        metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
+        tree = getattr(metadata, "item_metadata", metadata)
+        tree = getattr(tree, "tree", tree)
+        item = {"params": jax.tree.map(lambda _: 0, tree["params"])}
+        args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree["params"])}
+        return ocp.PyTreeCheckpointer().restore(
+            step_dir / "state",
+            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
+        )["params"]
+
+    params = _reading(step_dir, read)
+    config = None
+    meta_file = step_dir / "meta" / "metadata"
+    if meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        if isinstance(meta, Mapping) and isinstance(meta.get("t5_config"), Mapping):
+            config = layout.config_from_dict(meta["t5_config"])
+    return {k: np.asarray(v) for k, v in layout.flatten(params).items()}, config, step_dir
+
+
+def export_checkpoint(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    config: T5Config | None = None,
+) -> pathlib.Path:
+    """`ktx export`: the parameters of a ktx run / checkpoint directory as `hf:DIR`.
+
+    `config`: the model's `T5Config` (the CLI takes it from the run's gin files); default:
+    the one recorded by `ktx import`, else inferred from the shapes (T5.1.1's gated GELU
+    for `wi_0`/`wi_1`, ReLU for `wi`, max distance 128). Parameters with no Hugging Face
+    counterpart (task conditioning) are a ValueError naming them. Returns the written
+    directory.
+    """
+    prefix, path = _split(out)
+    if prefix != "hf":
+        raise ValueError(
+            f"export target {os.fspath(out)!r}: accepted: 'hf:DIR' (a Hugging Face T5 "
+            "directory); T5X export is not implemented yet"
+        )
+    if not path:
+        raise ValueError(f"export target {os.fspath(out)!r} names no directory")
+    flat, recorded, step_dir = read_ktx_checkpoint(source, step)
+    if config is None:
+        config = recorded
+    if config is None:
+        backbone = {k: v for k, v in flat.items() if not k.startswith("conditioning/")}
+        config = layout.config_from_params(backbone, where=str(step_dir))
+    return write_hf_t5(layout.unflatten(flat), config, path)
