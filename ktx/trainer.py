@@ -90,6 +90,7 @@ def train_step(
     grad_method: str = "auto",
     shared: Sequence[str] | None = None,
     schedule: Any = None,
+    task_capacity: tuple[int, ...] | None = None,
     tx_parts: tuple[Any, Any] | None = None,
     log_diagnostics: bool = True,
     sparse_tables: Sequence[str] | None = None,
@@ -125,7 +126,7 @@ def train_step(
     if balanced:
         from ktx import optim  # the balancing engine is optional for plain training
 
-        def task_grads_fn(mb, key, counts, method):
+        def task_grads_fn(mb, key, counts, method, capacity=None):
             def loss_sums_fn(p, b):
                 return model.loss_sums(p, b, key, True)
 
@@ -133,10 +134,12 @@ def train_step(
                 loss_sums_fn, normalizer, params, mb, num_tasks=num_tasks,
                 task_counts=counts, method=method, shared=shared,
                 sparse_tables=tuple(sparse_tables) if sparse_tables else None,
+                task_capacity=capacity,
             )
 
         if num_microbatches == 1:
-            task_losses, aux, task_grads = task_grads_fn(batch, step_rng, task_counts, grad_method)
+            task_losses, aux, task_grads = task_grads_fn(
+                batch, step_rng, task_counts, grad_method, task_capacity)
         else:
             # Microbatches cut across task blocks, so they use the one-hot VJP engine.
             mbs = split_microbatches(batch, num_microbatches)
@@ -337,6 +340,7 @@ class Trainer:
                 f"{num_microbatches})"
             )
         self._compiled: dict[Any, Any] = {}
+        self._capacity: tuple[int, ...] | None = None  # per-task block sizes seen so far
         self._eval_compiled = None
         self.state_shardings = None
         self.abstract_state = None
@@ -420,8 +424,8 @@ class Trainer:
             return dict(batch)
         return partitioning.host_local_to_global(batch, self.mesh)
 
-    def _compiled_train_step(self, task_counts):
-        key = task_counts
+    def _compiled_train_step(self, task_capacity):
+        key = task_capacity
         if key not in self._compiled:
             fn = functools.partial(
                 train_step,
@@ -429,7 +433,7 @@ class Trainer:
                 tx=self.tx,
                 balanced=self.balancer is not None,
                 num_microbatches=self.num_microbatches,
-                task_counts=task_counts,
+                task_capacity=task_capacity,
                 grad_method=self.grad_method,
                 shared=self.shared,
                 schedule=self.schedule,
@@ -455,17 +459,26 @@ class Trainer:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """Runs the compiled step on this process's rows of the global batch.
 
-        `task_counts` (the task-partitioned layout of interface §3) is static: each
-        distinct tuple compiles once. It is ignored on the plain path.
+        `task_counts` (the task-partitioned layout of interface §3) locates the task
+        blocks of the balanced path; it is ignored on the plain path. The compiled step
+        depends only on the block sizes, the most rows each task has had so far (the
+        counts themselves are read from `task_id` inside the step), so a mixture whose
+        counts vary by a row or two from step to step compiles a handful of times at the
+        start and never again.
         """
         if self.state_shardings is None:
             raise ValueError("Trainer.train_step before init_state/create_abstract_state")
-        counts = None
+        capacity = None
         if self.balancer is not None and task_counts is not None and self.num_microbatches == 1:
             counts = tuple(int(c) for c in task_counts)
+            if self._capacity is None or len(self._capacity) != len(counts):
+                self._capacity = counts
+            else:
+                self._capacity = tuple(max(a, b) for a, b in zip(self._capacity, counts))
+            capacity = self._capacity
         global_batch = self.global_batch(batch)
         with self._context():
-            return self._compiled_train_step(counts)(state, global_batch, rng)
+            return self._compiled_train_step(capacity)(state, global_batch, rng)
 
     def eval_step(self, params: Any, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Compiled `eval_step` on this process's rows; returns replicated `[T]` sums."""

@@ -371,3 +371,36 @@ def test_frozen_t5_backbone_is_bit_identical_after_adamw_steps():
     assert all(moved[k] for k in moved if k.startswith("conditioning/"))
     frozen = [k for k in moved if not k.startswith("conditioning/")]
     assert frozen and not any(moved[k] for k in frozen), [k for k in frozen if moved[k]]
+
+
+class _VaryingInput(ToyInput):
+    """Counts that change every step (as carried mixing quotas do)."""
+
+    SCHEDULE = ((5, 3), (4, 4), (6, 2), (5, 3), (3, 5), (4, 4))
+
+    def get_batch(self, step):
+        self.counts = self.SCHEDULE[step % len(self.SCHEDULE)]
+        return super().get_batch(step)
+
+    def task_counts(self, step):
+        return self.SCHEDULE[step % len(self.SCHEDULE)]
+
+
+def test_balanced_step_compiles_per_block_size_not_per_count_tuple():
+    from ktx import optim
+
+    inp = _VaryingInput()
+    plain = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1))
+    balanced = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi())
+    sp = plain.init_state(jax.random.key(0), inp.get_batch(0))
+    sb = balanced.init_state(jax.random.key(0), inp.get_batch(0))
+    for step in range(12):
+        batch = inp.get_batch(step)
+        sp, mp = plain.train_step(sp, batch, jax.random.key(1))
+        sb, mb = balanced.train_step(sb, batch, jax.random.key(1), task_counts=inp.task_counts(step))
+        np.testing.assert_allclose(float(mb["loss"]), float(mp["loss"]), rtol=1e-5)
+    # Block sizes = the most rows seen per task: (5, 3) -> (5, 4) -> (6, 4) -> (6, 5) in
+    # the first 5 steps, then no compile in the 7 steps after (which revisit every tuple).
+    assert sorted(balanced._compiled) == [(5, 3), (5, 4), (6, 4), (6, 5)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 jax.device_get(sb.params), jax.device_get(sp.params))

@@ -7,8 +7,13 @@ parameters, stacked on a leading task axis, from inside a jitted train step:
   contiguous block `[sum(counts[:t]), sum(counts[:t+1]))`. Task `t`'s loss is evaluated
   on its own block only and divided by the *whole* batch's normalizer, so all `T`
   gradients together cost one backward pass over the batch, and they add up exactly to
-  the gradient of the summed loss. Equal blocks are vmapped; unequal ones are traced one
-  after another (still one compiled program).
+  the gradient of the summed loss. `task_counts` gives the exact counts (static);
+  `task_capacity` gives static block sizes `>=` the counts, which are then read from the
+  rows' `task_id` inside the step: a mixture whose counts vary from step to step (carried
+  quotas) compiles once. A block holds task `t`'s rows and possibly a few rows of its
+  neighbours, which cost compute but add nothing: only entry `t` of the block's `[T]`
+  sums is kept. Equal blocks are vmapped; unequal ones are traced one after another
+  (still one compiled program).
 * `method="vjp"` (any batch): one forward pass, then a vmapped vector-Jacobian product
   over the one-hot task cotangents `e_t / normalizer_t`.
 * `method="auto"`: blocks when `task_counts` is given, vjp otherwise.
@@ -76,6 +81,46 @@ def _validate_counts(task_counts: Sequence[int], num_tasks: int, batch: Mapping)
     return counts
 
 
+def _validate_capacity(task_capacity: Sequence[int], num_tasks: int, batch: Mapping) -> tuple[int, ...]:
+    try:
+        capacity = tuple(int(c) for c in task_capacity)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"task_capacity={task_capacity!r}: expected a static sequence of ints (one per task)"
+        ) from e
+    n = next(iter(batch.values())).shape[0]
+    if len(capacity) != num_tasks or any(c < 0 or c > n for c in capacity):
+        raise ValueError(
+            f"task_capacity={capacity!r}: expected {num_tasks} block sizes in [0, {n}] "
+            "(the most rows each task has in a batch)"
+        )
+    if "task_id" not in batch:
+        raise ValueError("task_capacity needs the batch's task_id to locate the task blocks")
+    return capacity
+
+
+def _dynamic_counts(task_id: jax.Array, capacity: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """`(counts [T], starts [T])` of a task-grouped batch, checked inside the step (a host
+    callback that raises): rows sorted by task and every count within its capacity."""
+    t = len(capacity)
+    task_id = jnp.asarray(task_id)
+    counts = jnp.bincount(task_id, length=t)
+    starts = jnp.cumsum(counts) - counts
+    unsorted = jnp.any(task_id[1:] < task_id[:-1])
+    over = counts > jnp.asarray(capacity)
+
+    def fail_if(bad_order, bad_count, counts_now):
+        if bool(bad_order):
+            raise ValueError("task_capacity needs rows grouped by task in task order (interface "
+                             "§3); this batch's task_id is not sorted")
+        if bool(bad_count.any()):
+            raise ValueError(f"task_capacity={capacity!r} but this batch has "
+                             f"{tuple(int(c) for c in counts_now)} rows per task")
+
+    jax.debug.callback(fail_if, unsorted, over, counts)
+    return counts, starts
+
+
 def _layout_error(counts: tuple[int, ...], first_bad: int, got: int) -> ValueError:
     return ValueError(
         f"task_counts={counts!r} say rows are grouped by task (task t in rows "
@@ -105,7 +150,30 @@ def _check_layout(task_id: Any, counts: tuple[int, ...]) -> None:
     jax.debug.callback(fail_if, mismatch.any(), first, jnp.asarray(task_id)[first])
 
 
-def _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, counts):
+def _own_entries(per_block: Any, present: Sequence[int], num_tasks: int) -> Any:
+    """`[T]` sums whose entry t comes from task t's block (`per_block` stacks the blocks'
+    `[T]` sums in the order of `present`); absent tasks get 0."""
+    sel = np.zeros((len(present), num_tasks), np.float32)
+    for i, t in enumerate(present):
+        sel[i, t] = 1.0
+    return jax.tree.map(lambda a: jnp.einsum("bt,bt->t", jnp.asarray(sel, a.dtype), a), per_block)
+
+
+def _slice_block(batch: Mapping, start: Any, size: int) -> dict:
+    return {k: jax.lax.dynamic_slice_in_dim(v, start, size) for k, v in batch.items()}
+
+
+def _block_starts(sizes: tuple[int, ...], starts: Any, n: int) -> Any:
+    """Block starts clamped so that every static-size block lies inside the batch (a
+    block at the end then also holds rows before its task's, which add nothing)."""
+    return jnp.minimum(jnp.asarray(starts), n - jnp.asarray(sizes))
+
+
+def _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, sizes, starts):
+    """Per-task gradients over static-size blocks at (static or traced) `starts`."""
+    n = next(iter(batch.values())).shape[0]
+    starts = _block_starts(sizes, starts, n)
+
     def task_value_and_grad(t, block):
         def f(p):
             sums, aux = loss_sums_fn(p, block)
@@ -114,28 +182,27 @@ def _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, counts):
         (_, (sums, aux)), grads = jax.value_and_grad(f, has_aux=True)(params)
         return sums, aux, grads
 
-    if len(set(counts)) == 1:
-        c = counts[0]
-        blocks = jax.tree.map(lambda x: x.reshape((num_tasks, c) + x.shape[1:]), dict(batch))
-        sums, aux, grads = jax.vmap(task_value_and_grad)(jnp.arange(num_tasks), blocks)
-        return sums.sum(0), jax.tree.map(lambda a: a.sum(0), aux), grads
-
-    start, per_task = 0, []
-    for t, c in enumerate(counts):
-        if c == 0:
-            per_task.append(None)
-            continue
-        block = jax.tree.map(lambda x, s=start, c=c: x[s : s + c], dict(batch))
-        per_task.append(task_value_and_grad(t, block))
-        start += c
-    present = [r for r in per_task if r is not None]
+    present = [t for t in range(num_tasks) if sizes[t] > 0]
     if not present:
-        raise ValueError("task_counts are all zero: the batch has no rows")
+        raise ValueError("task block sizes are all zero: the batch has no rows")
+    if len({sizes[t] for t in present}) == 1:
+        c = sizes[present[0]]
+        ts = jnp.asarray(present)
+        blocks = jax.vmap(lambda s: _slice_block(batch, s, c))(starts[ts])
+        sums, aux, grads = jax.vmap(task_value_and_grad)(ts, blocks)
+        if len(present) < num_tasks:
+            grads = jax.tree.map(lambda g: jnp.zeros((num_tasks,) + g.shape[1:], g.dtype).at[ts].set(g), grads)
+        return _own_entries(sums, present, num_tasks), _own_entries(aux, present, num_tasks), grads
+
+    per_task = {}
+    for t in present:
+        per_task[t] = task_value_and_grad(t, _slice_block(batch, starts[t], sizes[t]))
     zeros = jax.tree.map(jnp.zeros_like, params)
-    sums = sum(r[0] for r in present[1:]) + present[0][0]
-    aux = jax.tree.map(lambda *a: sum(a[1:], a[0]), *[r[1] for r in present])
+    sums = _own_entries(jnp.stack([per_task[t][0] for t in present]), present, num_tasks)
+    aux = _own_entries(jax.tree.map(lambda *a: jnp.stack(a), *[per_task[t][1] for t in present]),
+                       present, num_tasks)
     grads = jax.tree.map(
-        lambda *g: jnp.stack(g), *[zeros if r is None else r[2] for r in per_task]
+        lambda *g: jnp.stack(g), *[per_task[t][2] if t in per_task else zeros for t in range(num_tasks)]
     )
     return sums, aux, grads
 
@@ -156,9 +223,11 @@ def _pad_to(x: jax.Array, n: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
-def _sparse_blocks(sl, loss_sums_fn, normalizer, params, batch, num_tasks, counts):
+def _sparse_blocks(sl, loss_sums_fn, normalizer, params, batch, num_tasks, sizes, starts):
     f = sl.fn(params)
     dense = sl.split(params)
+    n = next(iter(batch.values())).shape[0]
+    starts = _block_starts(sizes, starts, n)
 
     def task_value_and_grad(t, block, deltas):
         def g(d, z):
@@ -172,39 +241,39 @@ def _sparse_blocks(sl, loss_sums_fn, normalizer, params, batch, num_tasks, count
     def zeros_for(block):
         return [jnp.zeros(s.shape, s.dtype) for s in sl.delta_specs(params, block)]
 
-    first = jax.tree.map(lambda x: x[: max(counts)], dict(batch))
-    sl.call_names_for(params, first)
-    if len(set(counts)) == 1:
-        c = counts[0]
-        blocks = jax.tree.map(lambda x: x.reshape((num_tasks, c) + x.shape[1:]), dict(batch))
+    present = [t for t in range(num_tasks) if sizes[t] > 0]
+    if not present:
+        raise ValueError("task block sizes are all zero: the batch has no rows")
+    sl.call_names_for(params, jax.tree.map(lambda x: x[: max(sizes)], dict(batch)))
+    if len({sizes[t] for t in present}) == 1 and len(present) == num_tasks:
+        c = sizes[0]
+        blocks = jax.vmap(lambda s0: _slice_block(batch, s0, c))(starts)
         deltas = zeros_for(jax.tree.map(lambda x: x[0], blocks))
         sums, aux, idx, gd, gz = jax.vmap(task_value_and_grad, in_axes=(0, 0, None))(
             jnp.arange(num_tasks), blocks, deltas)
         grads = sl.assemble(params, gd, gz, idx, num_tasks)
-        return sums.sum(0), jax.tree.map(lambda a: a.sum(0), aux), grads
-    start, results = 0, []
-    for t, c in enumerate(counts):
-        if c == 0:
-            results.append(None)
-            continue
-        block = jax.tree.map(lambda x, s=start, c=c: x[s : s + c], dict(batch))
-        results.append(task_value_and_grad(t, block, zeros_for(block)))
-        start += c
-    present = [r for r in results if r is not None]
-    sums = sum(r[0] for r in present[1:]) + present[0][0]
-    aux = jax.tree.map(lambda *a: sum(a[1:], a[0]), *[r[1] for r in present])
+        return (_own_entries(sums, present, num_tasks), _own_entries(aux, present, num_tasks),
+                grads)
+    results = {}
+    for t in present:
+        block = _slice_block(batch, starts[t], sizes[t])
+        results[t] = task_value_and_grad(t, block, zeros_for(block))
+    sums = _own_entries(jnp.stack([results[t][0] for t in present]), present, num_tasks)
+    aux = _own_entries(jax.tree.map(lambda *a: jnp.stack(a), *[results[t][1] for t in present]),
+                       present, num_tasks)
     zero_dense = [jnp.zeros_like(x) for x in sl.split(params)]
-    gd = [jnp.stack(g) for g in zip(*[zero_dense if r is None else r[3] for r in results])]
-    n_calls = len(sl.call_names)
+    gd = [jnp.stack(g) for g in zip(*[results[t][3] if t in results else zero_dense
+                                      for t in range(num_tasks)])]
     idx, gz = [], []
-    for k in range(n_calls):
-        flat_idx = [None if r is None else r[2][k].reshape(-1) for r in results]
-        flat_rows = [None if r is None else r[4][k].reshape(-1, r[4][k].shape[-1]) for r in results]
-        n = max(x.shape[0] for x in flat_idx if x is not None)
+    for k in range(len(sl.call_names)):
+        flat_idx = [results[t][2][k].reshape(-1) if t in results else None for t in range(num_tasks)]
+        flat_rows = [results[t][4][k].reshape(-1, results[t][4][k].shape[-1]) if t in results else None
+                     for t in range(num_tasks)]
+        m = max(x.shape[0] for x in flat_idx if x is not None)
         d = next(x.shape[-1] for x in flat_rows if x is not None)
         dt = next(x.dtype for x in flat_rows if x is not None)
-        idx.append(jnp.stack([jnp.zeros((n,), jnp.int32) if x is None else _pad_to(x, n) for x in flat_idx]))
-        gz.append(jnp.stack([jnp.zeros((n, d), dt) if x is None else _pad_to(x, n) for x in flat_rows]))
+        idx.append(jnp.stack([jnp.zeros((m,), jnp.int32) if x is None else _pad_to(x, m) for x in flat_idx]))
+        gz.append(jnp.stack([jnp.zeros((m, d), dt) if x is None else _pad_to(x, m) for x in flat_rows]))
     return sums, aux, sl.assemble(params, gd, gz, idx, num_tasks)
 
 
@@ -231,6 +300,7 @@ def compute_task_gradients(
     method: str = "auto",
     shared: Sequence[str] | str | None = None,
     sparse_tables: Sequence[str] | None = None,
+    task_capacity: Sequence[int] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], TaskGradients]:
     """Per-task losses and gradients (call inside `jax.jit`).
 
@@ -243,6 +313,8 @@ def compute_task_gradients(
       num_tasks: T.
       task_counts: static per-task row counts of a task-partitioned batch, or None.
       method: one of `METHODS`.
+      task_capacity: instead of `task_counts`, static per-task block sizes at least the
+        counts; the counts are read from `batch["task_id"]` inside the step.
       shared: which parameters keep a task axis (see `ktx.optim.selection.shared_mask`).
       sparse_tables: regexes selecting `nn.Embed` tables (e.g. `r"_embedding/embedding$"`)
         whose per-task gradients are kept as `SparseRows` (see `ktx.optim.sparse`);
@@ -256,24 +328,32 @@ def compute_task_gradients(
         raise ValueError(f"num_tasks={num_tasks!r}: expected a positive int")
     if method not in METHODS:
         raise ValueError(f"method={method!r}; accepted: {METHODS}")
+    if task_counts is not None and task_capacity is not None:
+        raise ValueError("give task_counts (exact, static) or task_capacity (block sizes), not both")
     if method == "auto":
-        method = "blocks" if task_counts is not None else "vjp"
+        method = "blocks" if (task_counts is not None or task_capacity is not None) else "vjp"
     normalizer = jax.lax.stop_gradient(jnp.asarray(normalizer))
     if normalizer.shape != (num_tasks,):
         raise ValueError(f"normalizer has shape {normalizer.shape}; expected ({num_tasks},)")
     if method == "blocks":
-        if task_counts is None:
+        if task_counts is None and task_capacity is None:
             raise ValueError(
-                "method='blocks' needs task_counts (a task-partitioned batch); use "
-                "method='vjp' or 'auto' for sampled batches"
+                "method='blocks' needs task_counts or task_capacity (a task-partitioned "
+                "batch); use method='vjp' or 'auto' for sampled batches"
             )
-        counts = _validate_counts(task_counts, num_tasks, batch)
+        if task_counts is not None:
+            sizes = _validate_counts(task_counts, num_tasks, batch)
+            starts = np.cumsum((0,) + sizes[:-1])
+        else:
+            sizes = _validate_capacity(task_capacity, num_tasks, batch)
+            _, starts = _dynamic_counts(batch["task_id"], sizes)
         if sparse_tables:
             sl = SparseLookups(loss_sums_fn, params, sparse_tables)
             sums, aux, grads = _sparse_blocks(
-                sl, loss_sums_fn, normalizer, params, batch, num_tasks, counts)
+                sl, loss_sums_fn, normalizer, params, batch, num_tasks, sizes, starts)
         else:
-            sums, aux, grads = _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, counts)
+            sums, aux, grads = _blocks(
+                loss_sums_fn, normalizer, params, batch, num_tasks, sizes, starts)
     elif sparse_tables:
         sl = SparseLookups(loss_sums_fn, params, sparse_tables)
         sums, aux, grads = _sparse_vjp(sl, loss_sums_fn, normalizer, params, batch, num_tasks)

@@ -152,3 +152,36 @@ def test_rows_not_grouped_as_the_counts_say_fail_loudly():
     with pytest.raises(Exception, match="row 1 has task_id 1"):
         jax.block_until_ready(jax.jit(run)(shuffled))
     jax.block_until_ready(jax.jit(run)(batch))  # a grouped batch passes
+
+
+@pytest.mark.parametrize("counts", [(2, 5, 3), (4, 0, 6), (3, 3, 4)])
+def test_capacity_blocks_equal_exact_blocks_with_one_compile(counts):
+    """`task_capacity` (static block sizes >= the counts) reads the counts from task_id
+    inside the step: the same losses and gradients as the exact counts, and batches with
+    other counts reuse the compiled function."""
+    from tests.optim.tiny_model import TinyModel, make_batch
+
+    model = TinyModel(num_tasks=3)
+    capacity = (5, 5, 6)
+    batch = make_batch(counts)
+    params = model.init_variables(jax.random.key(0), batch)["params"]
+    fn = lambda p, b: model.loss_sums(p, b)  # noqa: E731
+    traces = []
+
+    @jax.jit
+    def with_capacity(p, b):
+        traces.append(1)
+        return compute_task_gradients(fn, model.normalizer(b), p, b, num_tasks=3,
+                                      task_capacity=capacity, shared="all")
+
+    exact = compute_task_gradients(fn, model.normalizer(batch), params, batch, num_tasks=3,
+                                   task_counts=counts, shared="all")
+    got = with_capacity(params, batch)
+    np.testing.assert_allclose(got[0], exact[0], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got[1], exact[1])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 got[2].stacked, exact[2].stacked)
+    with_capacity(params, make_batch((5, 1, 4), seed=1))
+    assert len(traces) == 1
+    with pytest.raises(Exception, match="task_capacity"):
+        jax.block_until_ready(with_capacity(params, make_batch((6, 1, 3), seed=2)))
