@@ -19,6 +19,14 @@ with its own optax optimizer, and its state lives in the checkpoint.
   renormalised to sum to T.
 
 All need `task_losses=` in `update`.
+
+A task absent from the batch (`task_present=` from the trainer, else its loss and every
+shared gradient exactly zero) leaves its state untouched: Uncertainty's `s_t` (its
+gradient `0.5 - 0.5 e^{-s} * 0` would push it down) and its inner optimizer slots; DWA's
+loss history (no 0 loss enters it; a task's ratio is 1 until it has two observed steps);
+GradNorm's weight `w_t` (the other weights are renormalised to keep their total), its
+initial loss (`L_t(0)` is the loss of the task's first *present* step), and its inner
+optimizer slots; the GradNorm loss averages over the present tasks only.
 """
 
 from __future__ import annotations
@@ -30,12 +38,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ktx.optim.num_tasks import resolve_num_tasks
+from ktx.optim.num_tasks import (
+    check_state_tasks,
+    non_negative,
+    present_tasks,
+    resolve_num_tasks,
+)
 from ktx.optim.selection import param_names
 from ktx.optim.task_gradients import (
     combine_with_weights,
     flatten_task_gradients,
     leaf_sq_norms,
+    nonzero_tasks,
     num_tasks_of,
 )
 
@@ -58,6 +72,20 @@ def _losses(task_losses, t: int, method: str) -> jax.Array:
     return losses
 
 
+def _present(task_present, stacked: list, losses: jax.Array, t: int, method: str) -> jax.Array:
+    """`[T]` bool; default: a task is absent when its loss and shared gradients are all 0."""
+    return present_tasks(task_present, t, method, nonzero_tasks(stacked) | (losses != 0))
+
+
+def _keep_absent(new: Any, old: Any, present: jax.Array) -> Any:
+    """`new` with every per-task `[T]` leaf restored to `old` for absent tasks (an inner
+    optimizer's slots of the learnt per-task values)."""
+    t = present.shape[0]
+    return jax.tree.map(
+        lambda n, o: jnp.where(present, n, o) if getattr(n, "shape", None) == (t,) else n,
+        new, old)
+
+
 class UncertaintyState(NamedTuple):
     log_vars: jax.Array  # [T] s_t = log sigma_t^2
     opt_state: Any
@@ -69,6 +97,7 @@ def uncertainty(
     num_tasks: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Uncertainty weighting; `optimizer` (default `optax.adam(learning_rate)`) learns `s`."""
+    non_negative(learning_rate, "learning_rate", "uncertainty")
     inner = optimizer if optimizer is not None else optax.adam(learning_rate)
 
     def init_fn(params):
@@ -77,16 +106,19 @@ def uncertainty(
         s = jnp.zeros((t,), jnp.float32)
         return UncertaintyState(s, inner.init(s))
 
-    def update_fn(updates, state, params=None, *, task_losses=None, **extra):
+    def update_fn(updates, state, params=None, *, task_losses=None, task_present=None, **extra):
         del params, extra
-        stacked, _, _ = flatten_task_gradients(updates)
+        stacked, _, _ = flatten_task_gradients(updates, "uncertainty")
         t = num_tasks_of(stacked)
+        check_state_tasks("uncertainty", state.log_vars.shape[0], t)
         losses = _losses(task_losses, t, "uncertainty")
+        present = _present(task_present, stacked, losses, t, "uncertainty")
         s = state.log_vars
         w = 0.5 * jnp.exp(-s)
-        grad_s = 0.5 - 0.5 * jnp.exp(-s) * losses
+        grad_s = jnp.where(present, 0.5 - 0.5 * jnp.exp(-s) * losses, 0.0)
         step, opt_state = inner.update(grad_s, state.opt_state, s)
-        new_s = optax.apply_updates(s, step)
+        new_s = jnp.where(present, optax.apply_updates(s, step), s)
+        opt_state = _keep_absent(opt_state, state.opt_state, present)
         return combine_with_weights(updates, w), UncertaintyState(new_s, opt_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -94,8 +126,9 @@ def uncertainty(
 
 class DWAState(NamedTuple):
     count: jax.Array  # [] steps seen
-    last: jax.Array  # [T] L(k-1)
-    before_last: jax.Array  # [T] L(k-2)
+    last: jax.Array  # [T] L(k-1): the task's last observed (present) loss
+    before_last: jax.Array  # [T] L(k-2): the one before
+    observed: jax.Array  # [T] int32 steps the task was present
 
 
 def dwa(
@@ -111,18 +144,27 @@ def dwa(
         del params
         t = resolve_num_tasks(num_tasks, "dwa")
         z = jnp.zeros((t,), jnp.float32)
-        return DWAState(jnp.zeros([], jnp.int32), z, z)
+        return DWAState(jnp.zeros([], jnp.int32), z, z, jnp.zeros((t,), jnp.int32))
 
-    def update_fn(updates, state, params=None, *, task_losses=None, **extra):
+    def update_fn(updates, state, params=None, *, task_losses=None, task_present=None, **extra):
         del params, extra
-        stacked, _, _ = flatten_task_gradients(updates)
+        stacked, _, _ = flatten_task_gradients(updates, "dwa")
         t = num_tasks_of(stacked)
+        check_state_tasks("dwa", state.last.shape[0], t)
         losses = _losses(task_losses, t, "dwa")
+        present = _present(task_present, stacked, losses, t, "dwa")
         ratio = state.last / jnp.where(state.before_last > 0, state.before_last, 1.0)
+        ratio = jnp.where(state.observed >= 2, ratio, 1.0)
         w = t * jax.nn.softmax(ratio / temperature)
         w = jnp.where(state.count >= 2, w, jnp.ones_like(w))
-        smoothed = jnp.where(state.count > 0, beta * state.last + (1 - beta) * losses, losses)
-        new_state = DWAState(state.count + 1, smoothed, state.last)
+        seen = state.observed > 0
+        smoothed = jnp.where(seen, beta * state.last + (1 - beta) * losses, losses)
+        new_state = DWAState(
+            state.count + 1,
+            jnp.where(present, smoothed, state.last),
+            jnp.where(present, state.last, state.before_last),
+            state.observed + present.astype(jnp.int32),
+        )
         return combine_with_weights(updates, w), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -131,7 +173,8 @@ def dwa(
 class GradNormState(NamedTuple):
     count: jax.Array  # []
     weights: jax.Array  # [T]
-    initial_losses: jax.Array  # [T] L(0)
+    initial_losses: jax.Array  # [T] L(0): the loss at the task's first present step
+    has_initial: jax.Array  # [T] bool: L(0) is set
     opt_state: Any
 
 
@@ -147,6 +190,7 @@ def gradnorm(
 
     if float(alpha) < 0:
         raise ValueError(f"gradnorm: alpha={alpha!r}; expected >= 0")
+    non_negative(learning_rate, "learning_rate", "gradnorm")
     patterns = [re.compile(p) for p in layer] if layer is not None else None
     inner = optimizer if optimizer is not None else optax.adam(learning_rate)
 
@@ -154,13 +198,16 @@ def gradnorm(
         del params
         t = resolve_num_tasks(num_tasks, "gradnorm")
         w = jnp.ones((t,), jnp.float32)
-        return GradNormState(jnp.zeros([], jnp.int32), w, jnp.ones((t,), jnp.float32), inner.init(w))
+        return GradNormState(jnp.zeros([], jnp.int32), w, jnp.ones((t,), jnp.float32),
+                             jnp.zeros((t,), bool), inner.init(w))
 
-    def update_fn(updates, state, params=None, *, task_losses=None, **extra):
+    def update_fn(updates, state, params=None, *, task_losses=None, task_present=None, **extra):
         del params, extra
-        stacked, _, treedef = flatten_task_gradients(updates)
+        stacked, _, treedef = flatten_task_gradients(updates, "gradnorm")
         t = num_tasks_of(stacked)
+        check_state_tasks("gradnorm", state.weights.shape[0], t)
         losses = _losses(task_losses, t, "gradnorm")
+        present = _present(task_present, stacked, losses, t, "gradnorm")
         names = param_names(treedef.unflatten([0] * len(stacked)))
         chosen = [
             s for n, s in zip(names, stacked)
@@ -170,16 +217,28 @@ def gradnorm(
             raise ValueError(f"gradnorm: layer={layer!r} matches no shared parameter of {names}")
         norms = jnp.sqrt(sum(leaf_sq_norms(s) for s in chosen))  # ||g_t|| on W
         w = state.weights
-        initial = jnp.where(state.count == 0, losses, state.initial_losses)
+        fresh = present & ~state.has_initial
+        initial = jnp.where(fresh, losses, state.initial_losses)
+        n_present = jnp.maximum(present.sum(), 1)
+
+        def mean(x):  # over the present tasks
+            return jnp.where(present, x, 0.0).sum() / n_present
+
         g = w * norms
         ratio = losses / jnp.where(initial > 0, initial, 1.0)
-        rel = ratio / jnp.maximum(ratio.mean(), 1e-12)
-        target = jax.lax.stop_gradient(g.mean() * rel**alpha)
-        grad_w = jnp.sign(g - target) * norms
+        rel = ratio / jnp.maximum(mean(ratio), 1e-12)
+        target = jax.lax.stop_gradient(mean(g) * rel**alpha)
+        grad_w = jnp.where(present, jnp.sign(g - target) * norms, 0.0)
         step, opt_state = inner.update(grad_w, state.opt_state, w)
-        new_w = jnp.maximum(optax.apply_updates(w, step), 0.0)
-        new_w = t * new_w / jnp.maximum(new_w.sum(), 1e-12)
-        new_state = GradNormState(state.count + 1, new_w, initial, opt_state)
+        stepped = jnp.maximum(optax.apply_updates(w, step), 0.0)
+        # Present weights are renormalised to keep their total (T when all are present);
+        # an absent task's weight is untouched.
+        total = jnp.where(present, w, 0.0).sum()
+        scale = total / jnp.maximum(jnp.where(present, stepped, 0.0).sum(), 1e-12)
+        new_w = jnp.where(present, stepped * scale, w)
+        opt_state = _keep_absent(opt_state, state.opt_state, present)
+        new_state = GradNormState(state.count + 1, new_w, initial,
+                                  state.has_initial | present, opt_state)
         return combine_with_weights(updates, w), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -124,7 +124,7 @@ def mgda(normalization: str = "none", max_iters: int = 2000) -> optax.GradientTr
 
     def update_fn(updates, state, params=None, *, task_losses=None, **extra):
         del params, extra
-        stacked, _, _ = flatten_task_gradients(updates)
+        stacked, _, _ = flatten_task_gradients(updates, "mgda")
         num_tasks_of(stacked)
         gram = global_gram(stacked)
         norms = jnp.sqrt(jnp.diagonal(gram))

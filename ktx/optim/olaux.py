@@ -7,6 +7,10 @@ gradient step on the target loss after those N steps, which to first order is
 
 (Lin et al.'s update with the model's step size folded into `learning_rate`).
 The update applied at every step is `g_tar + sum_k w_k g_k` over the shared parameters.
+
+A step where the target or auxiliary task k is absent from the batch (`task_present=`
+from the trainer, else every one of its shared gradients exactly zero) adds nothing to
+k's sum: the weight step uses the steps where both had rows.
 """
 
 from __future__ import annotations
@@ -17,11 +21,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ktx.optim.num_tasks import resolve_num_tasks
+from ktx.optim.num_tasks import (
+    check_state_tasks,
+    check_task_index,
+    non_negative,
+    present_tasks,
+    resolve_num_tasks,
+    task_index,
+)
 from ktx.optim.task_gradients import (
     combine_with_weights,
     flatten_task_gradients,
     global_gram,
+    nonzero_tasks,
     num_tasks_of,
 )
 
@@ -42,26 +54,29 @@ def olaux(
     num_tasks: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """OL-AUX with weight step `learning_rate` every `horizon` steps."""
-    if not isinstance(horizon, int) or horizon < 1:
+    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
         raise ValueError(f"olaux: horizon={horizon!r}; expected a positive int")
-    if not isinstance(target_task, int) or target_task < 0:
-        raise ValueError(f"olaux: target_task={target_task!r}; expected an int >= 0")
+    target_task = task_index(target_task, "target_task", "olaux")
+    non_negative(learning_rate, "learning_rate", "olaux")
 
     def init_fn(params):
         del params
         t = resolve_num_tasks(num_tasks, "olaux")
-        if target_task >= t:
-            raise ValueError(f"olaux: target_task={target_task} but num_tasks={t}")
+        check_task_index(target_task, t, "target_task", "olaux")
         w = jnp.full((t,), float(initial_weight), jnp.float32).at[target_task].set(1.0)
         return OLAuxState(jnp.zeros([], jnp.int32), w, jnp.zeros((t,), jnp.float32))
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, task_present=None, **extra):
         del params, extra
-        stacked, _, _ = flatten_task_gradients(updates)
-        num_tasks_of(stacked)
+        stacked, _, _ = flatten_task_gradients(updates, "olaux")
+        t = num_tasks_of(stacked)
+        check_state_tasks("olaux", state.weights.shape[0], t)
+        check_task_index(target_task, t, "target_task", "olaux")
+        present = present_tasks(task_present, t, "olaux", nonzero_tasks(stacked))
         gram = global_gram(stacked)
         out = combine_with_weights(updates, state.weights)
-        dots = state.dots + gram[target_task]
+        both = present & present[target_task]
+        dots = state.dots + jnp.where(both, gram[target_task], 0.0)
         count = state.count + 1
         due = count % horizon == 0
         stepped = (state.weights + learning_rate * dots).at[target_task].set(1.0)

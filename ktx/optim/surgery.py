@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ktx.optim.num_tasks import check_task_index, task_index
 from ktx.optim.task_gradients import (
     combine_with_weights,
     flatten_task_gradients,
@@ -76,8 +77,7 @@ def pcgrad(
       shuffle: random projection order per task and step (as Yu et al.); False: 0..T-1.
       seed: seed of the order (the key lives in the state, so resuming is exact).
     """
-    if anchor is not None and (not isinstance(anchor, int) or anchor < 0):
-        raise ValueError(f"pcgrad: anchor={anchor!r}; expected None or an int >= 0")
+    anchor = task_index(anchor, "anchor", "pcgrad", allow_none=True)
 
     def init_fn(params):
         del params
@@ -85,14 +85,13 @@ def pcgrad(
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        stacked, _, _ = flatten_task_gradients(updates)
+        stacked, _, _ = flatten_task_gradients(updates, "pcgrad")
         t = num_tasks_of(stacked)
         gram = global_gram(stacked)
         key = jax.random.wrap_key_data(state.key)
         key, sub = jax.random.split(key)
         if anchor is not None:
-            if anchor >= t:
-                raise ValueError(f"pcgrad: anchor={anchor} but num_tasks={t}")
+            check_task_index(anchor, t, "anchor", "pcgrad")
             dots = gram[:, anchor]
             coef = jnp.where(dots < 0, _safe_div(dots, gram[anchor, anchor]), 0.0)
             coef = coef.at[anchor].set(0.0)
@@ -115,8 +114,7 @@ def grad_similarity(target_task: int = 0, weighted: bool = False) -> optax.Gradi
 
     `w_tar = 1`; `w_k = 1[cos(g_k, g_tar) >= 0]` (or `max(cos, 0)` when `weighted`).
     """
-    if not isinstance(target_task, int) or target_task < 0:
-        raise ValueError(f"grad_similarity: target_task={target_task!r}; expected an int >= 0")
+    target_task = task_index(target_task, "target_task", "grad_similarity")
 
     def init_fn(params):
         del params
@@ -124,10 +122,9 @@ def grad_similarity(target_task: int = 0, weighted: bool = False) -> optax.Gradi
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        stacked, _, _ = flatten_task_gradients(updates)
+        stacked, _, _ = flatten_task_gradients(updates, "grad_similarity")
         t = num_tasks_of(stacked)
-        if target_task >= t:
-            raise ValueError(f"grad_similarity: target_task={target_task} but num_tasks={t}")
+        check_task_index(target_task, t, "target_task", "grad_similarity")
         gram = global_gram(stacked)
         diag = jnp.sqrt(jnp.diagonal(gram))
         cos = _safe_div(gram[:, target_task], diag * diag[target_task])

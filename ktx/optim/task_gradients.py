@@ -9,8 +9,13 @@ transform accepts as `updates`:
 * `summed`: params-structured; an unshared parameter's leaf is the sum of its task
   gradients `[*param_shape]`; shared parameters hold `None`.
 
-A plain params-structured tree of `[T, *param_shape]` arrays is accepted too (every
-parameter shared); `as_task_gradients` converts it.
+A plain params-structured tree of `[T, *param_shape]` arrays (every parameter shared)
+must be wrapped explicitly: `TaskGradients.from_stacked(tree)`. A balancer never infers the
+task axis from shapes (a plain gradient tree whose leaves happen to start with T would be
+misread), so a tree that is not a `TaskGradients` is a TypeError.
+
+`TaskGradients` is a registered pytree (its leaves are the arrays of `stacked` and
+`summed`), so it crosses `jax.jit`, `lax.cond` and `jax.tree.map` like any gradient tree.
 
 `SparseRows` holds a table's per-task gradient as rows: `indices [T, n]` and
 `rows [T, n, dim]`, with duplicate indices already merged inside each task (merged
@@ -34,11 +39,13 @@ __all__ = [
     "flatten_task_gradients",
     "leaf_sq_norms",
     "leaf_gram",
+    "merge_rows",
     "leaf_combine",
     "leaf_dense",
     "num_tasks_of",
     "global_gram",
     "combine_with_weights",
+    "nonzero_tasks",
 ]
 
 
@@ -66,25 +73,50 @@ class TaskGradients:
     stacked: Any
     summed: Any
 
+    @classmethod
+    def from_stacked(cls, tree: Any) -> "TaskGradients":
+        """Every parameter shared: `tree` is params-structured, each leaf `[T, *param_shape]`
+        (or `SparseRows`); the leading axis of every leaf is the task axis."""
+        if isinstance(tree, TaskGradients):
+            raise TypeError("TaskGradients.from_stacked: the argument is already a TaskGradients")
+        leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, SparseRows))
+        for leaf in leaves:
+            if not isinstance(leaf, SparseRows) and getattr(leaf, "ndim", 0) < 1:
+                raise ValueError(
+                    "TaskGradients.from_stacked: every leaf needs a leading task axis "
+                    f"[T, *param_shape]; got a leaf of shape {getattr(leaf, 'shape', leaf)!r}")
+        summed = jax.tree.map(lambda _: None, tree, is_leaf=lambda x: isinstance(x, SparseRows))
+        return cls(stacked=tree, summed=summed)
+
 
 def _is_hole(x: Any) -> bool:
     return x is None or isinstance(x, SparseRows)
 
 
-def as_task_gradients(updates: Any) -> TaskGradients:
-    """`updates` itself if it is a `TaskGradients`, else every leaf is stacked `[T, ...]`."""
+def as_task_gradients(updates: Any, method: str = "balancer") -> TaskGradients:
+    """`updates` if it is a `TaskGradients`; anything else is a TypeError.
+
+    The task axis is never inferred from shapes: wrap a tree of `[T, *param_shape]` arrays
+    with `TaskGradients.from_stacked(tree)`.
+    """
     if isinstance(updates, TaskGradients):
         return updates
-    summed = jax.tree.map(lambda _: None, updates, is_leaf=lambda x: isinstance(x, SparseRows))
-    return TaskGradients(stacked=updates, summed=summed)
+    kind = type(updates).__name__
+    raise TypeError(
+        f"{method}: updates must be per-task gradients, a ktx.optim.TaskGradients (what "
+        f"ktx.optim.compute_task_gradients returns); got a {kind}. Wrap a params-structured "
+        "tree of [T, *param_shape] arrays with ktx.optim.TaskGradients.from_stacked(tree); a "
+        "plain gradient tree is never taken for stacked per-task gradients"
+    )
 
 
-def flatten_task_gradients(updates: Any) -> tuple[list, list, Any]:
+def flatten_task_gradients(updates: Any, method: str = "balancer") -> tuple[list, list, Any]:
     """`(stacked_leaves, summed_leaves, treedef)`: one entry per parameter, holes are None.
 
-    `treedef.unflatten(list_of_arrays)` builds a params-shaped tree.
+    `treedef.unflatten(list_of_arrays)` builds a params-shaped tree. `updates` must be a
+    `TaskGradients` (TypeError otherwise, naming `method`).
     """
-    tg = as_task_gradients(updates)
+    tg = as_task_gradients(updates, method)
     stacked, treedef = jax.tree.flatten(tg.stacked, is_leaf=_is_hole)
     summed, treedef2 = jax.tree.flatten(tg.summed, is_leaf=_is_hole)
     if treedef != treedef2 or len(stacked) != len(summed):
@@ -134,22 +166,54 @@ def leaf_dense(x: Any) -> jax.Array:
     return jax.vmap(one)(x.indices, x.rows)
 
 
+def merge_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
+    """Per task, sorted unique indices `[T, n]` and their summed rows `[T, n, dim]` (float32).
+
+    Duplicate indices of a task are added together; the free slots at the end hold the
+    largest index of the dtype (after every real index) and zero rows. Never builds a
+    table-sized array.
+    """
+    rows = x.rows.astype(jnp.float32)
+    n = x.indices.shape[1]
+
+    def one(idx, r):
+        order = jnp.argsort(idx)
+        s = idx[order]
+        first = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
+        seg = jnp.cumsum(first) - 1
+        merged = jax.ops.segment_sum(r[order], seg, num_segments=n)
+        uniq = jnp.full((n,), jnp.iinfo(idx.dtype).max, idx.dtype).at[seg].set(s)
+        return uniq, merged
+
+    return jax.vmap(one)(x.indices, rows)
+
+
+def _sparse_gram(x: SparseRows) -> jax.Array:
+    """`[T, T]` Gram of `SparseRows` from the rows: for task i and every task j, each of
+    i's (merged) rows is matched to j's row of the same index by binary search (the first
+    of equal indices is the real row; padding rows are zero, so a match with one adds 0);
+    one task at a time (`lax.map`), so the peak is `[T, n, dim]`, the size of the rows."""
+    idx, rows = merge_rows(x)  # sorted per task
+
+    def gram_row(args):
+        idx_i, rows_i = args  # [n], [n, dim]
+        pos = jax.vmap(lambda s: jnp.searchsorted(s, idx_i))(idx)  # [T, n]
+        pos = jnp.minimum(pos, idx.shape[1] - 1)
+        match = jnp.take_along_axis(idx, pos, axis=1) == idx_i[None]
+        other = jnp.take_along_axis(rows, pos[..., None], axis=1)  # [T, n, dim]
+        return jnp.einsum("tnd,nd,tn->t", other, rows_i, match.astype(jnp.float32))
+
+    return jax.lax.map(gram_row, (idx, rows))
+
+
 def leaf_gram(x: Any) -> jax.Array:
     """`[T, T]` inner products between tasks' gradients of one parameter (float32).
 
-    For `SparseRows` the tables are densified one task at a time (`lax.map`), so the
-    peak is one table, never `[T, vocab, dim]`.
+    For `SparseRows` the products are taken over the rows (duplicates merged, then the
+    union of indexed rows): no `[num_rows, dim]` table is ever built.
     """
     if isinstance(x, SparseRows):
-        rows = x.rows.astype(jnp.float32)
-
-        def row_of_gram(args):
-            idx, r = args
-            dense = jnp.zeros((x.num_rows, rows.shape[-1]), jnp.float32).at[idx].add(r)
-            gathered = dense[x.indices]  # [T, n, dim]
-            return jnp.einsum("tnd,tnd->t", gathered, rows)
-
-        return jax.lax.map(row_of_gram, (x.indices, rows))
+        return _sparse_gram(x)
     f = x.astype(jnp.float32).reshape(x.shape[0], -1)
     return f @ f.T
 
@@ -184,3 +248,10 @@ def combine_with_weights(updates: Any, weights: Any) -> Any:
     for s, u, w in zip(stacked, summed, weights):
         out.append(u if s is None else leaf_combine(s, w))
     return treedef.unflatten(out)
+
+
+def nonzero_tasks(stacked_leaves: list) -> jax.Array:
+    """`[T]` bool: tasks with some non-zero shared gradient (the default presence rule:
+    a task with no rows in the batch has exactly zero gradients)."""
+    sq = [leaf_sq_norms(x) for x in stacked_leaves if x is not None]
+    return sum(sq[1:], sq[0]) > 0

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import optax
 
+from ktx.optim.num_tasks import check_task_index, task_index
 from ktx.optim.task_gradients import (
     combine_with_weights,
     flatten_task_gradients,
@@ -34,22 +35,21 @@ def weighted_sum(weights_fn, name: str) -> optax.GradientTransformationExtraArgs
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        stacked, _, _ = flatten_task_gradients(updates)
+        stacked, _, _ = flatten_task_gradients(updates, name)
         t = num_tasks_of(stacked)
         return combine_with_weights(updates, weights_fn(t)), state
 
-    del name
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def single_loss(target_task: int = 0) -> optax.GradientTransformationExtraArgs:
-    """Single-Loss: only the target task's gradient updates the shared parameters."""
-    if not isinstance(target_task, int) or target_task < 0:
-        raise ValueError(f"single_loss: target_task={target_task!r}; expected an int >= 0")
+    """Single-Loss: only the target task's gradient updates the shared parameters.
+
+    `target_task`: any integer type (`int`, `np.int64`, a 0-d integer array)."""
+    target_task = task_index(target_task, "target_task", "single_loss")
 
     def weights(t):
-        if target_task >= t:
-            raise ValueError(f"single_loss: target_task={target_task} but num_tasks={t}")
+        check_task_index(target_task, t, "target_task", "single_loss")
         return jnp.zeros((t,), jnp.float32).at[target_task].set(1.0)
 
     return weighted_sum(weights, "single_loss")

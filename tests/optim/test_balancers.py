@@ -1,6 +1,8 @@
 """Hand-computed two-step tests of every baseline transformation, under jax.jit.
 
 Two tasks, one parameter: g0 = [1, 0] (target), g1 = [-1, 1]; Gram [[1, -1], [-1, 2]].
+Also: per-task gradients are explicit (`TaskGradients.from_stacked`), the Gram matrix of
+sparse table rows, absent tasks, task-count mismatches and argument checks.
 """
 
 import jax
@@ -15,13 +17,19 @@ G = {"w": jnp.array([[1.0, 0.0], [-1.0, 1.0]])}
 PARAMS = {"w": jnp.zeros(2)}
 
 
-def _run(tx, steps, losses=None):
+def _tg(tree):
+    return ko.TaskGradients.from_stacked(tree)
+
+
+def _run(tx, steps, losses=None, present=None):
     state = tx.init(PARAMS)
     update = jax.jit(tx.update)
     outs = []
     for i, g in enumerate(steps):
         kw = {} if losses is None else {"task_losses": jnp.asarray(losses[i], jnp.float32)}
-        out, state = update(g, state, PARAMS, **kw)
+        if present is not None:
+            kw["task_present"] = jnp.asarray(present[i])
+        out, state = update(_tg(g), state, PARAMS, **kw)
         outs.append(np.asarray(out["w"]))
     return outs, state
 
@@ -131,11 +139,23 @@ def test_olaux():
 
 
 def test_mtadam():
-    # Adam's first steps are sign-like: h0 = [1, 0], h1 = g1 / sqrt2 -> [0, 1] per step.
+    # Norms start at the first step's: n = [1, sqrt2]; h0 = g0 = [1, 0], h1 = g1 / sqrt2.
+    # Bias-corrected, m_t / bc1 = h_t and the denominators are |h_t|; their element-wise
+    # max is [1, 1/sqrt2], so the direction is (h0 + h1) / [1, 1/sqrt2] = [1 - 1/sqrt2, 1]
+    # at both steps (same gradients, the corrections cancel).
     outs, state = _run(ko.mtadam(num_tasks=2), [G, G])
-    _close(outs[0], [0.0, 1.0])
-    _close(outs[1], [0.0, 1.0])
-    np.testing.assert_allclose(state.norms["w"], [0.19, 0.19 * np.sqrt(2)], rtol=1e-5)
+    _close(outs[0], [1.0 - 2 ** -0.5, 1.0])
+    _close(outs[1], [1.0 - 2 ** -0.5, 1.0])
+    np.testing.assert_allclose(state.norms["w"], [1.0, np.sqrt(2)], rtol=1e-6)
+    # weights (the reference's ranks) scale the normalised gradients: r = [1, 2] doubles h1,
+    # whose denominator then wins the max on both coordinates: [1 - sqrt2, sqrt2]/[sqrt2, sqrt2].
+    outs, _ = _run(ko.mtadam(weights=[1.0, 2.0], num_tasks=2), [G])
+    _close(outs[0], [(1.0 - np.sqrt(2)) / np.sqrt(2), 1.0])
+    # A zero anchor norm: the next task with a norm is the anchor, the zero task unscaled.
+    zero0 = {"w": jnp.array([[0.0, 0.0], [-3.0, 4.0]])}
+    outs, state = _run(ko.mtadam(num_tasks=2), [zero0], present=[[True, True]])
+    _close(outs[0], [-1.0, 1.0])
+    np.testing.assert_allclose(state.norms["w"], [0.0, 5.0])
 
 
 @pytest.mark.parametrize("name", ["metabalance", "pcgrad", "mgda", "grad_similarity",
@@ -157,7 +177,7 @@ def test_sparse_rows_equal_dense(name):
         tx = make()
         state = tx.init(params)
         for _ in range(2):
-            out, state = jax.jit(tx.update)({"t": g}, state, params)
+            out, state = jax.jit(tx.update)(_tg({"t": g}), state, params)
         outs.append(out["t"])
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
