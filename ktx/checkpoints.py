@@ -13,7 +13,8 @@ restoring the state restores the data position.
   `CheckpointShapeError` listing every mismatching parameter path and both shapes.
 * `load_initial_params`: T5X's `INITIAL_CHECKPOINT_PATH`: parameters found in another
   run's checkpoint are restored, parameters missing there (e.g. new prompts) keep their
-  fresh initialization; the returned `InitReport` says which are which.
+  fresh initialization; the returned `InitReport` says which are which. The path may
+  also be an `hf:DIR` / `t5x:DIR` checkpoint, converted on the fly (`ktx.convert`).
 """
 
 from __future__ import annotations
@@ -316,7 +317,9 @@ def load_initial_params(
 
     Args:
       path: a run dir, its `checkpoints/` dir or one step dir (T5X's
-        `INITIAL_CHECKPOINT_PATH`); the latest step unless `step` is given.
+        `INITIAL_CHECKPOINT_PATH`); the latest step unless `step` is given. Or
+        `hf:DIR` / `t5x:DIR`: a Hugging Face or T5X T5 checkpoint converted on the fly
+        (`_load_initial_params_from_source`).
       abstract_params: the model's params as ShapeDtypeStructs with shardings.
       init_params: freshly initialized params (same tree); used where the checkpoint
         has no such parameter.
@@ -324,6 +327,10 @@ def load_initial_params(
     Returns `(params, report)`. Raises CheckpointShapeError listing every parameter
     present in both with different shapes.
     """
+    from ktx import convert
+
+    if convert.is_source(path):
+        return _load_initial_params_from_source(str(path), abstract_params, init_params)
     step_dir = resolve_checkpoint(path, step)
     saved = saved_param_shapes(step_dir)
     expected = _flat_shapes(abstract_params)
@@ -351,6 +358,46 @@ def load_initial_params(
         for (p, _), ok, init in zip(flat_abstract, present, init_leaves)
     ]
     report = InitReport(str(step_dir), restored_paths, initialized, unused)
+    _log.info(report.summary())
+    return jax.tree.unflatten(treedef, leaves), report
+
+
+def _load_initial_params_from_source(
+    source: str, abstract_params: Any, init_params: Any
+) -> tuple[Any, InitReport]:
+    """`load_initial_params` from `hf:DIR` / `t5x:DIR`, a whole T5 converted on the fly:
+    every converted tensor must be used and every model parameter outside the
+    conditioning scope must be in it (a missing backbone tensor would otherwise be left
+    at its random init); else CheckpointShapeError naming them."""
+    import numpy as np
+
+    from ktx import convert
+    from ktx.params import CONDITIONING_SCOPE
+
+    flat = convert.flatten(convert.load_source(source).params)
+    saved = {k: tuple(v.shape) for k, v in flat.items()}
+    expected = _flat_shapes(abstract_params)
+    message = _mismatch_message(source, saved, expected, missing_ok=True)
+    missing = [p for p in expected if p not in saved and not p.startswith(CONDITIONING_SCOPE + "/")]
+    unused = sorted(set(saved) - set(expected))
+    if message or missing or unused:
+        lines = [message] if message else [f"checkpoint {source} does not match the model:"]
+        lines += [f"  {p}: model {expected[p]}, missing in checkpoint" for p in missing]
+        lines += [f"  {p}: checkpoint {saved[p]}, not in model" for p in unused]
+        raise CheckpointShapeError("\n".join(lines))
+    flat_abstract, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    leaves, restored, initialized = [], [], []
+    for (p, a), init in zip(flat_abstract, jax.tree.leaves(init_params)):
+        name = param_path(p)
+        if name in flat:
+            sharding = getattr(a, "sharding", None)
+            value = np.asarray(flat[name], a.dtype)
+            leaves.append(jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value))
+            restored.append(name)
+        else:
+            leaves.append(init)
+            initialized.append(name)
+    report = InitReport(source, tuple(restored), tuple(initialized), ())
     _log.info(report.summary())
     return jax.tree.unflatten(treedef, leaves), report
 

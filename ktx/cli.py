@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 DEFAULT_GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
-COMMANDS = ("train", "eval", "infer", "params", "analyze")
+COMMANDS = ("train", "eval", "infer", "params", "analyze", "import", "export")
 # Each command runs the first of its entry functions that the gin files configure
 # (`ktx eval` decodes T5 runs with ktx.eval.evaluate and ranks recommendation runs with
 # ktx.ranking_eval.evaluate).
@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num_processes", type=int, default=None, help="with --coordinator_address")
     parser.add_argument("--process_id", type=int, default=None, help="with --coordinator_address")
-    parser.add_argument("args", nargs="*", help="analyze: `gradients RUN_DIR` or `attention`")
+    parser.add_argument("args", nargs="*", help="analyze: `gradients RUN_DIR` or `attention`; "
+                        "import: SRC OUT; export: SRC OUT")
     parser.add_argument("--out", default=None, help="analyze: output file")
     parser.add_argument("--checkpoint", default=None,
-                        help="analyze attention: a step of MODEL_DIR, or a checkpoint path")
+                        help="analyze attention: a step of MODEL_DIR, or a checkpoint path; "
+                        "export: the step (default: latest)")
     parser.add_argument("--task", default=None, help="analyze attention: a task of the mixture")
     parser.add_argument("--out_dir", default=None, help="analyze attention: JSON + PNG folder")
     parser.add_argument("--split", default="validation", help="analyze attention: split")
@@ -647,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ktx: {e}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(rest)
-    if args.args and args.command != "analyze":
+    if args.args and args.command not in ("analyze", "import", "export"):
         print(f"ktx {args.command}: unexpected arguments {args.args}", file=sys.stderr)
         return 2
     try:
@@ -658,16 +660,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI edge: one line, traceback to a file
         if args.debug:
             raise
-        if args.command == "analyze" and isinstance(e, (FileNotFoundError, ValueError)):
-            print(f"ktx: {_first_line(e)}", file=sys.stderr)  # a wrong analyze argument
+        if args.command in ("analyze", "import", "export") and isinstance(
+            e, (FileNotFoundError, ValueError)
+        ):
+            print(f"ktx: {_first_line(e)}", file=sys.stderr)  # a wrong argument or input
             return 2
         _report_failure(e, args.command)
         return 1
 
 
+def _convert_command(args) -> int:
+    """`ktx import hf:DIR|t5x:DIR OUT`: a ktx checkpoint directory (orbax step 0 +
+    `model.gin`) from a Hugging Face or T5X checkpoint. `ktx export SRC hf:OUT
+    [--checkpoint STEP]`: a ktx run / checkpoint directory as a Hugging Face T5
+    directory; the model's T5Config comes from the run's `config.gin` when there is one
+    (else what `ktx import` recorded, else the shapes). See ktx.convert and
+    docs/checkpoints.md."""
+    from ktx import convert
+
+    usage = {"import": "ktx import hf:DIR|t5x:DIR OUT_DIR",
+             "export": "ktx export RUN_OR_CHECKPOINT_DIR hf:OUT_DIR [--checkpoint STEP]"}
+    if len(args.args) != 2:
+        raise ValueError(f"ktx {args.command} takes 2 arguments, got {args.args}; "
+                         f"usage: {usage[args.command]}")
+    src, out = (absolute_path(a) for a in args.args)
+    if args.command == "import":
+        path = convert.import_checkpoint(src, out)
+        print(f"wrote {path} (model.gin, checkpoints/0); start a run from it with "
+              f"--gin_file={path}/model.gin --gin.INITIAL_CHECKPOINT_PATH=\"'{path}'\"")
+        return 0
+    if args.checkpoint is not None and not args.checkpoint.isdigit():
+        raise ValueError(f"--checkpoint={args.checkpoint!r}; accepted: a step number")
+    step = int(args.checkpoint) if args.checkpoint is not None else None
+    config = None
+    src_dir = pathlib.Path(src)
+    run_gin = next((d / "config.gin" for d in (src_dir, *src_dir.parents[:2])
+                    if (d / "config.gin").is_file()), None)
+    if run_gin is not None:  # the run's operative config: the model it trained
+        import gin
+
+        parse_gin([str(run_gin)])
+        try:
+            configurable = gin.get_configurable("ktx_export_command")
+        except ValueError:
+            configurable = gin.configurable("ktx_export_command")(lambda model=gin.REQUIRED: model)
+        gin.parse_config("ktx_export_command.model = %MODEL")
+        config = configurable().config
+    path = convert.export_checkpoint(src, out, step=step, config=config)
+    print(f"wrote {path}" + (f" (model from {run_gin})" if run_gin else ""))
+    return 0
+
+
 def _run(args, bindings) -> int:
     if args.command == "analyze":
         return _analyze(args, bindings)
+    if args.command in ("import", "export"):
+        return _convert_command(args)
     if args.multihost:
         import jax
 
