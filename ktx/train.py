@@ -134,6 +134,8 @@ def train(
     grad_method: str = "auto",
     shared: Sequence[str] | None = None,
     sparse_tables: Sequence[str] | None = None,
+    target_task: int = 0,
+    log_diagnostics: bool = True,
     seed: int = 0,
     log_period: int = 100,
     checkpoint_period: int | str = 1000,
@@ -169,6 +171,10 @@ def train(
         on the balanced path (see `ktx.trainer.Trainer`).
       seed: parameter init and dropout keys.
       log_period: steps between metric fetches / NaN checks / progress lines.
+      target_task: the balancer's target task (gin: TARGET_TASK), which the logged
+        per-task gradient cosines are taken against.
+      log_diagnostics: balanced runs: log per-task gradient norms, cosines and MetaBalance
+        weights at every log step (computed on those steps only).
       checkpoint_period, keep_checkpoints: save cadence (steps, or "epoch" for an input
         with `steps_per_epoch`) and how many to keep; a final checkpoint is always
         written at `train_steps` (and when training stops early).
@@ -221,7 +227,8 @@ def train(
     trainer = Trainer(
         model, optimizer, mesh=mesh, rules=rules, balancer=balancer, schedule=schedule,
         num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
-        sparse_tables=sparse_tables,
+        sparse_tables=sparse_tables, diagnostics_period=log_period if log_diagnostics else 0,
+        target_task=target_task,
     )
     first_batch = train_input.get_batch(0)
     abstract, _ = trainer.create_abstract_state(first_batch)
@@ -292,8 +299,10 @@ def train(
             examples_per_s=examples_per_s,
             input_wait_fraction=input_time / elapsed,
         )
-        for key in fetched[0].get("diagnostics", {}):
-            total[key] = float(np.mean([m["diagnostics"][key] for m in fetched]))
+        # Diagnostics are computed on log steps only (the last of the period).
+        logged = [m for m in fetched if bool(m.get("diagnostics_logged", False))]
+        for key in (logged[-1]["diagnostics"] if logged else {}):
+            total[key] = float(logged[-1]["diagnostics"][key])
         writer.write_tasks(step, "train", by_task)
         progress.log(step, total["objective"], steps_per_s, examples_per_s)
         pending, input_time, period_start = [], 0.0, time.perf_counter()

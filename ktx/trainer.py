@@ -92,7 +92,8 @@ def train_step(
     schedule: Any = None,
     task_capacity: tuple[int, ...] | None = None,
     tx_parts: tuple[Any, Any] | None = None,
-    log_diagnostics: bool = True,
+    diagnostics_period: int = 1,
+    target_task: int = 0,
     sparse_tables: Sequence[str] | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
@@ -105,8 +106,10 @@ def train_step(
     With `balanced=True`, `tx_parts=(balancer, optimizer)` and `tx` is their chain
     (state `(balancer_state, optimizer_state)`); `grad_norm` is the norm of the
     balanced gradient, and `diagnostics` holds `ktx.optim.diagnostics(task_grads,
-    balancer_state)` (per-group gradient norms, cosines, MetaBalance weights) when
-    `log_diagnostics`; it is `{}` on the plain path.
+    balancer_state, target_task=target_task)` (per-group gradient norms, cosines to the
+    target, MetaBalance weights) on the steps where `(step + 1) % diagnostics_period == 0`
+    (a `lax.cond`: other steps pay nothing; zeros there, and `diagnostics_logged` says
+    which), never with `diagnostics_period=0`; it is `{}` on the plain path.
     """
     if balanced and tx_parts is None:
         raise ValueError("balanced=True needs tx_parts=(balancer, optimizer)")
@@ -169,9 +172,16 @@ def train_step(
         grad_norm = optax.tree.norm(grads)
         updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
         opt_state = (balancer_state, optimizer_state)
-        diagnostics = optim.diagnostics(task_grads, balancer_state) if log_diagnostics else {}
+        diagnostics, logged = {}, jnp.zeros((), bool)
+        if diagnostics_period:
+            def diag():
+                return optim.diagnostics(task_grads, balancer_state, target_task=target_task)
+
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(diag))
+            logged = (state.step + 1) % diagnostics_period == 0
+            diagnostics = jax.lax.cond(logged, diag, lambda: zeros)
     else:
-        diagnostics = {}
+        diagnostics, logged = {}, jnp.zeros((), bool)
 
         def loss(p, mb, key):
             losses, aux = model.task_losses(p, mb, key, True, normalizer=normalizer)
@@ -201,6 +211,7 @@ def train_step(
     new_params = optax.apply_updates(params, updates)
     metrics = {
         "diagnostics": diagnostics,
+        "diagnostics_logged": logged,
         "loss": task_losses.sum(),
         "task_losses": task_losses,
         "aux": aux,
@@ -288,6 +299,10 @@ class Trainer:
       shared: regexes of balanced parameters (None: the engine's default).
       sparse_tables: regexes of `nn.Embed` tables whose per-task gradients stay sparse
         on the balanced path (looked-up rows only; recommendation tables).
+      diagnostics_period: balanced path: per-task gradient diagnostics every this many
+        steps (the trainer's log period; 0: never).
+      target_task: the task the diagnostics' cosines are taken against (the balancer's
+        target).
     """
 
     def __init__(
@@ -303,6 +318,8 @@ class Trainer:
         grad_method: str = "auto",
         shared: Sequence[str] | None = None,
         sparse_tables: Sequence[str] | None = None,
+        diagnostics_period: int = 1,
+        target_task: int = 0,
     ):
         if not isinstance(model, BaseModel):
             raise TypeError(f"model={model!r} must be a ktx.models.base.BaseModel")
@@ -310,6 +327,12 @@ class Trainer:
             raise TypeError(f"optimizer={optimizer!r} is not an optax GradientTransformation")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches={num_microbatches!r}; accepted: an integer >= 1")
+        if isinstance(diagnostics_period, bool) or not isinstance(diagnostics_period, int) \
+                or diagnostics_period < 0:
+            raise ValueError(f"diagnostics_period={diagnostics_period!r}; accepted: an int >= 0 "
+                             "(0: never)")
+        if not 0 <= int(target_task) < model.num_tasks:
+            raise ValueError(f"target_task={target_task!r}; accepted: 0..{model.num_tasks - 1}")
         if grad_method not in ("auto", "blocks", "vjp"):
             raise ValueError(f"grad_method={grad_method!r}; accepted: 'auto', 'blocks', 'vjp'")
         self.model = model
@@ -330,6 +353,8 @@ class Trainer:
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.grad_method = grad_method
+        self.diagnostics_period = diagnostics_period
+        self.target_task = int(target_task)
         self.shared = None if shared is None else tuple(shared)
         if isinstance(sparse_tables, str):
             sparse_tables = (sparse_tables,)
@@ -434,6 +459,8 @@ class Trainer:
                 balanced=self.balancer is not None,
                 num_microbatches=self.num_microbatches,
                 task_capacity=task_capacity,
+                diagnostics_period=self.diagnostics_period,
+                target_task=self.target_task,
                 grad_method=self.grad_method,
                 shared=self.shared,
                 schedule=self.schedule,

@@ -404,3 +404,27 @@ def test_balanced_step_compiles_per_block_size_not_per_count_tuple():
     assert sorted(balanced._compiled) == [(5, 3), (5, 4), (6, 4), (6, 5)]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  jax.device_get(sb.params), jax.device_get(sp.params))
+
+
+def test_diagnostics_only_on_log_steps_against_the_target_task():
+    from ktx import optim
+
+    inp = ToyInput()
+    tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1),
+                             balancer=optim.metabalance(target_task=1, num_tasks=2),
+                             diagnostics_period=3, target_task=1)
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    logged = []
+    for step in range(6):
+        state, m = tr.train_step(state, inp.get_batch(step), jax.random.key(1), task_counts=inp.counts)
+        logged.append(bool(m["diagnostics_logged"]))
+        cos = {k: float(v) for k, v in m["diagnostics"].items() if k.startswith("cosine_to_target/")}
+        assert cos
+        if logged[-1]:
+            assert all(v == pytest.approx(1.0) for k, v in cos.items() if k.endswith("task1"))
+            assert any(v != pytest.approx(1.0) for k, v in cos.items() if k.endswith("task0"))
+        else:
+            assert all(v == 0.0 for v in cos.values())
+    assert logged == [False, False, True, False, False, True]
+    with pytest.raises(ValueError, match="target_task=2"):
+        trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), target_task=2)
