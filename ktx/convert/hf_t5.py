@@ -367,8 +367,9 @@ def write_hf_t5(params: Mapping[str, Any], config: T5Config, path: str | os.Path
     if extra:
         shown = ", ".join(extra[:8]) + (f", ... ({len(extra)} in all)" if len(extra) > 8 else "")
         raise ValueError(
-            f"{len(extra)} parameters have no Hugging Face T5 counterpart: {shown}. Export the "
-            "backbone alone (drop them), or keep the run in ktx's format"
+            f"{len(extra)} parameters have no Hugging Face T5 counterpart: {shown}. They exist "
+            "only in ktx: keep the run in ktx's format (exporting the task-conditioned "
+            "parameters alone is not implemented yet)"
         )
     layout.check_params(flat, config, where="the parameters")
     config_json = hf_config(config)

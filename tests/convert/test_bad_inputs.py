@@ -198,3 +198,29 @@ def test_absolute_path_keeps_source_prefixes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.absolute_path("hf:ckpt") == f"hf:{tmp_path / 'ckpt'}"
     assert cli.absolute_path("t5x:a/checkpoint_1") == f"t5x:{tmp_path / 'a' / 'checkpoint_1'}"
+
+
+def test_bfloat16_safetensors(tmp_path):
+    """A bfloat16 file (written here byte by byte from the format's description) imports
+    as the float32 values of its bfloat16 tensors."""
+    import struct
+
+    import ml_dtypes
+
+    folder = _copy("hf_t5_v1_1_tiny", tmp_path)
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in _tensors(folder).items()}
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        data = value.tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(value.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    imported = convert.read_hf_t5(folder)
+    assert imported.params["token_embedder"]["embedding"].dtype == np.float32
+    np.testing.assert_array_equal(imported.params["token_embedder"]["embedding"],
+                                  tensors["shared.weight"].astype(np.float32))
+    np.testing.assert_array_equal(imported.params["decoder"]["logits_dense"]["kernel"],
+                                  tensors["lm_head.weight"].astype(np.float32).T)
