@@ -126,3 +126,22 @@ def test_jit_and_eager_agree():
     expected = load_expected(folder)["logits"]
     valid = inputs["labels"] != 0
     assert float(np.max(np.abs(np.asarray(got) - expected)[valid])) < 1e-4
+
+
+def test_mt5_reads_as_t5_1_1(tmp_path):
+    """mT5 is T5.1.1 with its own vocabulary: `model_type: mt5` (as transformers writes
+    it for MT5ForConditionalGeneration) imports to the same config and parameters."""
+    import json
+    import shutil
+
+    folder = checkpoint_fixture("hf_t5_v1_1_tiny")
+    mt5 = tmp_path / "mt5"
+    mt5.mkdir()
+    shutil.copy(folder / "model.safetensors", mt5 / "model.safetensors")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="mt5", architectures=["MT5ForConditionalGeneration"])
+    (mt5 / "config.json").write_text(json.dumps(cfg))
+    a, b = convert.read_hf_t5(folder), convert.read_hf_t5(mt5)
+    assert a.config == b.config
+    for k, v in convert.flatten(a.params).items():
+        np.testing.assert_array_equal(convert.flatten(b.params)[k], v)
