@@ -7,7 +7,11 @@ MetaBalance with its baselines as optax transformations (see docs/balancing.md).
     tx = optax.chain(ktx.optim.metabalance(relax_factor=0.7), optax.adam(1e-3))
     with ktx.optim.num_tasks_scope(T):
       opt_state = tx.init(params)
-    updates, opt_state = tx.update(task_grads, opt_state, params, task_losses=task_losses)
+    updates, opt_state = tx.update(task_grads, opt_state, params, task_losses=task_losses,
+                                   task_present=counts > 0)
+
+Balancers take a `TaskGradients` only; wrap a tree of `[T, *param_shape]` arrays with
+`TaskGradients.from_stacked(tree)`.
 """
 
 from ktx.optim.diagnostics import diagnostics, find_metabalance_state

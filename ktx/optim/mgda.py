@@ -9,6 +9,10 @@ minimum in a fixed iteration budget); `n_t` is the paper's gradient normalisatio
 (`"l2"`), `L_t` (`"loss"`) or `L_t ||g_t||` (`"loss+"`). As in the authors' code the
 normalisation only shapes `alpha`; the update weights the un-normalised task gradients
 (equivalently the losses) by `alpha`.
+
+A task absent from the batch (`task_present=` from the trainer, else every one of its
+shared gradients exactly zero) is left out of the simplex: its zero gradient would be the
+min-norm point and stop every shared parameter.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ktx.optim.num_tasks import present_tasks
 from ktx.optim.task_gradients import (
     combine_with_weights,
     flatten_task_gradients,
     global_gram,
+    nonzero_tasks,
     num_tasks_of,
 )
 
@@ -36,7 +42,7 @@ NORMALIZATIONS = ("none", "l2", "loss", "loss+")
 EXACT_MAX_TASKS = 10
 
 
-def _exact_min_norm(gram: jax.Array) -> jax.Array:
+def _exact_min_norm(gram: jax.Array, allowed: jax.Array) -> jax.Array:
     """The exact minimiser: for every support S, the KKT system of
     `min a_S^T G_S a_S s.t. sum(a_S) = 1`; the best candidate that is a simplex point.
 
@@ -54,7 +60,8 @@ def _exact_min_norm(gram: jax.Array) -> jax.Array:
 
     alphas = jax.vmap(solve)(jnp.asarray(masks))  # [S, T]
     ok = (jnp.all(jnp.isfinite(alphas), axis=1) & jnp.all(alphas >= -1e-6, axis=1)
-          & (jnp.abs(alphas.sum(axis=1) - 1.0) < 1e-4))
+          & (jnp.abs(alphas.sum(axis=1) - 1.0) < 1e-4)
+          & jnp.all(jnp.asarray(masks) <= allowed[None, :], axis=1))
     objective = jnp.einsum("st,tu,su->s", alphas, gram, alphas)
     best = jnp.argmin(jnp.where(ok, objective, jnp.inf))
     alpha = jnp.clip(alphas[best], 0.0, None)
@@ -72,12 +79,13 @@ def _project_to_simplex(v: jax.Array) -> jax.Array:
     return jnp.maximum(v - theta, 0.0)
 
 
-def _iterative_min_norm(gram: jax.Array, max_iters: int, tol: float) -> jax.Array:
+def _iterative_min_norm(gram: jax.Array, allowed: jax.Array, max_iters: int, tol: float
+                        ) -> jax.Array:
     """FISTA (accelerated projected gradient, step 1/L with L = trace(G) >= lambda_max)
     from the uniform point, until the iterate moves less than `tol`."""
     t = gram.shape[0]
     step = 1.0 / (2.0 * jnp.maximum(jnp.trace(gram), 1e-30))
-    x0 = jnp.full((t,), 1.0 / t, gram.dtype)
+    x0 = allowed / allowed.sum()
 
     def cond(c):
         i, _, _, _, delta = c
@@ -85,7 +93,7 @@ def _iterative_min_norm(gram: jax.Array, max_iters: int, tol: float) -> jax.Arra
 
     def body(c):
         i, x, y, s, _ = c
-        x_new = _project_to_simplex(y - step * 2.0 * (gram @ y))
+        x_new = _project_to_simplex(jnp.where(allowed > 0, y - step * 2.0 * (gram @ y), -1e30))
         s_new = (1.0 + jnp.sqrt(1.0 + 4.0 * s * s)) / 2.0
         y_new = x_new + ((s - 1.0) / s_new) * (x_new - x)
         return i + 1, x_new, y_new, s_new, jnp.max(jnp.abs(x_new - x))
@@ -94,8 +102,11 @@ def _iterative_min_norm(gram: jax.Array, max_iters: int, tol: float) -> jax.Arra
     return x
 
 
-def min_norm_weights(gram: jax.Array, max_iters: int = 2000, tol: float = 1e-7) -> jax.Array:
+def min_norm_weights(gram: jax.Array, max_iters: int = 2000, tol: float = 1e-7,
+                     allowed: jax.Array | None = None) -> jax.Array:
     """`[T]` simplex weights minimising `alpha^T gram alpha` (MGDA's min-norm problem).
+
+    `allowed` (`[T]` bool, optional): only these tasks may get weight (all if none is).
 
     Exact for T <= `EXACT_MAX_TASKS` (enumerated supports); above, accelerated projected
     gradient to `tol` (at most `max_iters` iterations). The Gram matrix is scaled by its
@@ -105,9 +116,11 @@ def min_norm_weights(gram: jax.Array, max_iters: int = 2000, tol: float = 1e-7) 
     if t == 1:
         return jnp.ones((1,), jnp.float32)
     gram = gram / jnp.maximum(jnp.max(jnp.diagonal(gram)), 1e-30)
+    allowed = jnp.ones((t,), bool) if allowed is None else jnp.asarray(allowed, bool)
+    allowed = jnp.where(allowed.any(), allowed, True).astype(jnp.float32)
     if t <= EXACT_MAX_TASKS:
-        return _exact_min_norm(gram)
-    return _iterative_min_norm(gram, max_iters, tol)
+        return _exact_min_norm(gram, allowed)
+    return _iterative_min_norm(gram, allowed, max_iters, tol)
 
 
 def mgda(normalization: str = "none", max_iters: int = 2000) -> optax.GradientTransformationExtraArgs:
@@ -122,10 +135,11 @@ def mgda(normalization: str = "none", max_iters: int = 2000) -> optax.GradientTr
         del params
         return optax.EmptyState()
 
-    def update_fn(updates, state, params=None, *, task_losses=None, **extra):
+    def update_fn(updates, state, params=None, *, task_losses=None, task_present=None, **extra):
         del params, extra
         stacked, _, _ = flatten_task_gradients(updates, "mgda")
-        num_tasks_of(stacked)
+        t = num_tasks_of(stacked)
+        present = present_tasks(task_present, t, "mgda", nonzero_tasks(stacked))
         gram = global_gram(stacked)
         norms = jnp.sqrt(jnp.diagonal(gram))
         if normalization == "none":
@@ -139,7 +153,7 @@ def mgda(normalization: str = "none", max_iters: int = 2000) -> optax.GradientTr
             if normalization == "loss+":
                 n = n * norms
         n = jnp.where(n > 0, n, 1.0)
-        alpha = min_norm_weights(gram / (n[:, None] * n[None, :]), max_iters)
+        alpha = min_norm_weights(gram / (n[:, None] * n[None, :]), max_iters, allowed=present)
         return combine_with_weights(updates, alpha), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

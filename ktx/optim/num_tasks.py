@@ -55,9 +55,13 @@ def resolve_num_tasks(num_tasks: int | None, method: str) -> int:
             f"{method}.init: the number of tasks is unknown; pass {method}(num_tasks=...) "
             "(gin: bind it) or call init inside `with ktx.optim.num_tasks_scope(T):`"
         )
-    if not isinstance(num_tasks, int) or isinstance(num_tasks, bool) or num_tasks < 1:
+    try:
+        t = None if isinstance(num_tasks, bool) else operator.index(num_tasks)
+    except TypeError:  # a float, a string, a traced value
+        t = None
+    if t is None or t < 1:
         raise ValueError(f"{method}: num_tasks={num_tasks!r}; expected a positive int")
-    return num_tasks
+    return t
 
 
 def task_index(value: Any, name: str, method: str, allow_none: bool = False):

@@ -15,6 +15,7 @@ k's sum: the weight step uses the steps where both had rows.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import jax
@@ -54,8 +55,14 @@ def olaux(
     num_tasks: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """OL-AUX with weight step `learning_rate` every `horizon` steps."""
-    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
-        raise ValueError(f"olaux: horizon={horizon!r}; expected a positive int")
+    if not isinstance(horizon, jax.core.Tracer):  # traced under optax.inject_hyperparams
+        try:
+            h = None if isinstance(horizon, bool) else operator.index(horizon)
+        except TypeError:
+            h = None
+        if h is None or h < 1:
+            raise ValueError(f"olaux: horizon={horizon!r}; expected a positive int")
+        horizon = h
     target_task = task_index(target_task, "target_task", "olaux")
     non_negative(learning_rate, "learning_rate", "olaux")
 

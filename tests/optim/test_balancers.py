@@ -244,3 +244,227 @@ def test_min_norm_weights_iterative_solver_above_the_exact_size():
         rho = np.nonzero(u - css / np.arange(1, 13) > 0)[0][-1]
         x = np.maximum(v - css[rho] / (rho + 1), 0)
     assert got <= x @ gram @ x * (1 + 1e-3) + 1e-6
+
+
+# --- per-task gradients are explicit -------------------------------------------------
+
+PLAIN_FACTORIES = {
+    "metabalance": lambda: ko.metabalance(num_tasks=2),
+    "single_loss": ko.single_loss,
+    "vanilla_multi": ko.vanilla_multi,
+    "fixed_weights": lambda: ko.fixed_weights([1.0, 1.0]),
+    "uncertainty": lambda: ko.uncertainty(num_tasks=2),
+    "dwa": lambda: ko.dwa(num_tasks=2),
+    "gradnorm": lambda: ko.gradnorm(num_tasks=2),
+    "mgda": ko.mgda,
+    "mtadam": lambda: ko.mtadam(num_tasks=2),
+    "grad_similarity": ko.grad_similarity,
+    "pcgrad": ko.pcgrad,
+    "olaux": lambda: ko.olaux(num_tasks=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ko.BALANCERS))
+def test_plain_tree_is_a_type_error_naming_from_stacked(name):
+    """A plain gradient tree whose leaves start with T (here a [2, 2] kernel for 2 tasks)
+    is not taken for per-task gradients; wrapped with from_stacked it is accepted."""
+    params = {"kernel": jnp.zeros((2, 2))}
+    plain = {"kernel": jnp.ones((2, 2))}
+    tx = PLAIN_FACTORIES[name]()
+    state = tx.init(params)
+    losses = jnp.array([1.0, 2.0])
+    with pytest.raises(TypeError, match=r"TaskGradients\.from_stacked"):
+        tx.update(plain, state, params, task_losses=losses)
+    stacked = {"kernel": jnp.ones((2, 2, 2))}
+    out, _ = tx.update(ko.TaskGradients.from_stacked(stacked), state, params, task_losses=losses)
+    assert out["kernel"].shape == (2, 2)
+
+
+def test_from_stacked_rejects_leaves_without_a_task_axis():
+    with pytest.raises(ValueError, match="leading task axis"):
+        ko.TaskGradients.from_stacked({"w": jnp.float32(1.0)})
+
+
+# --- the Gram matrix of sparse rows ---------------------------------------------------
+
+def _walk_avals(jaxpr):
+    """Every intermediate's abstract value, nested jaxprs (lax.map's scan body) included."""
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            yield v.aval
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _walk_avals(sub)
+
+
+def test_sparse_gram_equals_dense_and_builds_no_table():
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(rng.integers(0, 6, size=(3, 5)), jnp.int32)  # duplicates included
+    rows = jnp.asarray(rng.normal(size=(3, 5, 2)), jnp.float32)
+    sparse = ko.SparseRows(idx, rows, num_rows=6)
+    dense = np.asarray(ko.task_gradients.leaf_dense(sparse)).reshape(3, -1)
+    got = jax.jit(ko.task_gradients.leaf_gram)(sparse)
+    np.testing.assert_allclose(got, dense @ dense.T, rtol=1e-5, atol=1e-5)
+
+    # A table of 2^31 - 1 rows x 8 (64 GiB as a float32 array): the Gram, PCGrad's and
+    # MGDA's weights and the diagnostics are computed from the 6 rows; no intermediate in
+    # the compiled program has a table-sized (or even 1M-element) shape.
+    big = ko.SparseRows(jnp.array([[5, 2**31 - 2, 5], [2**31 - 2, 7, 0]], jnp.int32),
+                        jnp.arange(48, dtype=jnp.float32).reshape(2, 3, 8) / 10,
+                        num_rows=2**31 - 1)
+    r = np.asarray(big.rows, np.float64)
+    want = np.array([[np.sum((r[0, 0] + r[0, 2]) ** 2) + r[0, 1] @ r[0, 1],
+                      r[0, 1] @ r[1, 0]], [0.0, np.sum(r[1] ** 2)]])
+    want[1, 0] = want[0, 1]
+    np.testing.assert_allclose(jax.jit(ko.task_gradients.leaf_gram)(big), want, rtol=1e-5)
+    jaxpr = jax.make_jaxpr(ko.task_gradients.leaf_gram)(big).jaxpr
+    largest = max(int(np.prod(a.shape)) for a in _walk_avals(jaxpr) if hasattr(a, "shape"))
+    assert largest < 1_000, largest
+    d = jax.jit(ko.diagnostics)(ko.TaskGradients.from_stacked({"t": big}))
+    np.testing.assert_allclose(d["grad_norm/t/task1"], np.sqrt(want[1, 1]), rtol=1e-5)
+
+
+# --- absent tasks ---------------------------------------------------------------------
+
+ABSENT1 = {"w": jnp.array([[1.0, 0.0], [0.0, 0.0]])}  # task 1 has no rows: zero gradient
+
+
+def test_uncertainty_absent_task_keeps_its_log_variance():
+    tx = ko.uncertainty(learning_rate=0.1, num_tasks=2)
+    outs, state = _run(tx, [G, ABSENT1], [[2.0, 3.0], [2.0, 0.0]])
+    _, ref = _run(tx, [G], [[2.0, 3.0]])
+    np.testing.assert_array_equal(state.log_vars[1], ref.log_vars[1])  # not pushed down
+    assert state.log_vars[0] != ref.log_vars[0]
+    np.testing.assert_array_equal(state.opt_state[0].mu[1], ref.opt_state[0].mu[1])
+    # Explicit presence wins: the same gradients but task 1 marked absent.
+    _, explicit = _run(tx, [G, G], [[2.0, 3.0], [2.0, 3.0]], present=[[1, 1], [1, 0]])
+    np.testing.assert_array_equal(explicit.log_vars[1], ref.log_vars[1])
+
+
+def test_dwa_absent_task_keeps_its_loss_history():
+    losses = [[1.0, 1.0], [0.5, 0.8], [0.4, 0.0], [0.2, 0.4]]
+    outs, state = _run(ko.dwa(temperature=1.0, num_tasks=2), [G, G, ABSENT1, G], losses)
+    # Task 1's history is (0.8, 1.0) from steps 0-1, then 0.4 at step 3; no 0 entered it.
+    np.testing.assert_allclose(state.last, [0.2, 0.4])
+    np.testing.assert_allclose(state.before_last, [0.4, 0.8])
+    np.testing.assert_array_equal(state.observed, [4, 3])
+    # Step 3's weights: ratios 0.4/0.5 (task 0) and 0.8/1.0 (task 1, its last two losses).
+    w = 2 * np.exp([0.8, 0.8]) / np.exp([0.8, 0.8]).sum()
+    _close(outs[3], w[0] * np.array([1.0, 0.0]) + w[1] * np.array([-1.0, 1.0]))
+    # A task first seen late has ratio 1 until it has two observed losses.
+    _, s2 = _run(ko.dwa(num_tasks=2), [ABSENT1, G, G], [[1.0, 0.0], [0.5, 2.0], [0.5, 1.0]])
+    np.testing.assert_array_equal(s2.observed, [3, 2])
+
+
+def test_gradnorm_absent_task():
+    """Initial loss from the first present step; an absent task's weight is untouched and
+    the present ones keep their total; the GradNorm loss averages over present tasks."""
+    tx = ko.gradnorm(alpha=1.5, optimizer=optax.sgd(0.1), num_tasks=3)
+    g3 = {"w": jnp.array([[1.0, 0.0], [0.0, 0.0], [0.0, 2.0]])}
+    params = PARAMS
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(_tg(g3), state, params, task_losses=jnp.array([1.0, 0.0, 1.0]))
+    np.testing.assert_array_equal(state.has_initial, [True, False, True])
+    assert float(state.weights[1]) == 1.0
+    np.testing.assert_allclose(float(state.weights.sum()), 3.0, rtol=1e-6)
+    # Present tasks: G = [1, 2], mean 1.5, ratios 1 -> grad_w = [-1, 2] -> [1.1, 0.8],
+    # renormalised to their previous total 2.
+    np.testing.assert_allclose(state.weights[jnp.array([0, 2])],
+                               2 * np.array([1.1, 0.8]) / 1.9, rtol=1e-6)
+    g_all = {"w": jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 2.0]])}
+    _, state = jax.jit(tx.update)(_tg(g_all), state, params,
+                                  task_losses=jnp.array([0.5, 4.0, 1.0]))
+    np.testing.assert_allclose(state.initial_losses, [1.0, 4.0, 1.0])
+
+
+def test_olaux_absent_task_adds_no_alignment():
+    tx = ko.olaux(learning_rate=0.5, horizon=3, num_tasks=2)
+    _, state = _run(tx, [G, G], present=[[1, 0], [0, 1]])
+    np.testing.assert_array_equal(state.dots, [1.0, 0.0])  # g1 never with the target
+    _, state = _run(tx, [G, G])
+    np.testing.assert_allclose(state.dots, [2.0, -2.0])
+
+
+def test_mtadam_absent_task_keeps_its_running_norm():
+    tx = ko.mtadam(b3=0.5, num_tasks=2)
+    outs, state = _run(tx, [G, ABSENT1])
+    np.testing.assert_allclose(state.norms["w"], [1.0, np.sqrt(2)], rtol=1e-6)
+    np.testing.assert_array_equal(state.seen, [2, 1])
+    _, state = _run(tx, [G, G], present=[[1, 1], [1, 0]])
+    np.testing.assert_allclose(state.norms["w"], [1.0, np.sqrt(2)], rtol=1e-6)
+    # A task absent at its first step starts its norm at its first present step.
+    _, state = _run(tx, [ABSENT1, G])
+    np.testing.assert_allclose(state.norms["w"], [1.0, np.sqrt(2)], rtol=1e-6)
+
+
+# --- task counts, indices, learning rates ---------------------------------------------
+
+@pytest.mark.parametrize("name,make", [
+    ("uncertainty", lambda: ko.uncertainty(num_tasks=3)),
+    ("dwa", lambda: ko.dwa(num_tasks=3)),
+    ("gradnorm", lambda: ko.gradnorm(num_tasks=3)),
+    ("olaux", lambda: ko.olaux(num_tasks=3)),
+    ("mtadam", lambda: ko.mtadam(num_tasks=3)),
+])
+def test_task_count_mismatch_is_a_clear_error(name, make):
+    tx = make()
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=rf"{name}: .*3 tasks.* 2; .*{name}\(num_tasks=2\)"):
+        tx.update(_tg(G), state, PARAMS, task_losses=jnp.array([1.0, 1.0]))
+
+
+def test_task_indices_accept_any_integer_type():
+    for idx in (np.int64(1), np.int32(1), jnp.int32(1)):
+        _close(_run(ko.single_loss(idx), [G])[0][0], [-1.0, 1.0])
+        _close(_run(ko.grad_similarity(target_task=idx), [G])[0][0], [-1.0, 1.0])
+        _close(_run(ko.pcgrad(anchor=idx), [G])[0][0], [-0.5, 1.5])
+        _close(_run(ko.olaux(target_task=idx, num_tasks=2), [G])[0][0], [0.0, 1.0])
+        _run(ko.mtadam(anchor=idx, num_tasks=2), [G])
+    for bad in (True, 1.0, "0", -1):
+        with pytest.raises((TypeError, ValueError), match="target_task"):
+            ko.single_loss(bad)
+    with pytest.raises(ValueError, match="target_task=2 but num_tasks=2"):
+        _run(ko.single_loss(np.int64(2)), [G])
+
+
+def test_inject_hyperparams():
+    """Numeric hyper-parameters (target_task, learning rates, betas) arrive as arrays
+    (traced inside jit) under optax.inject_hyperparams."""
+    cases = [
+        (optax.inject_hyperparams(ko.single_loss)(target_task=1), [-1.0, 1.0]),
+        (optax.inject_hyperparams(ko.olaux)(learning_rate=0.5, horizon=1, target_task=0,
+                                            num_tasks=2), [0.0, 1.0]),
+        (optax.inject_hyperparams(ko.grad_similarity)(target_task=0), [1.0, 0.0]),
+        (optax.inject_hyperparams(ko.mtadam)(b1=0.9, anchor=0, num_tasks=2),
+         [1.0 - 2 ** -0.5, 1.0]),
+        (optax.inject_hyperparams(ko.uncertainty)(learning_rate=0.1, num_tasks=2), [0.0, 0.5]),
+    ]
+    for tx, want in cases:
+        outs, _ = _run(tx, [G, G], [[1.0, 1.0], [1.0, 1.0]])
+        _close(outs[0], want)
+
+
+def test_negative_learning_rates_are_rejected():
+    with pytest.raises(ValueError, match=r"uncertainty: learning_rate=-0\.1"):
+        ko.uncertainty(learning_rate=-0.1)
+    with pytest.raises(ValueError, match=r"gradnorm: learning_rate=-1"):
+        ko.gradnorm(learning_rate=-1)
+    with pytest.raises(ValueError, match=r"olaux: learning_rate=-0\.5"):
+        ko.olaux(learning_rate=-0.5)
+
+
+def test_mgda_leaves_absent_tasks_out_of_the_simplex():
+    """An absent task's zero gradient would be the min-norm point (update 0)."""
+    g3 = {"w": jnp.array([[1.0, 0.0], [0.0, 0.0], [-1.0, 1.0]])}
+    state = ko.mgda().init(PARAMS)
+    out, _ = jax.jit(ko.mgda().update)(_tg(g3), state, PARAMS)
+    _close(out["w"], [0.2, 0.4])  # as with tasks 0 and 2 alone (test_mgda)
+    out, _ = jax.jit(ko.mgda().update)(_tg(g3), state, PARAMS,
+                                       task_present=jnp.array([True, True, True]))
+    _close(out["w"], [0.0, 0.0])  # marked present: its zero gradient is the minimum
+    gram = jnp.asarray(np.diag([1.0, 2.0, 3.0] * 4), jnp.float32)  # iterative solver (12)
+    allowed = jnp.arange(12) % 3 == 1
+    w = np.asarray(ko.min_norm_weights(gram, allowed=allowed))
+    assert w[~np.asarray(allowed)].max() == 0.0 and abs(w.sum() - 1) < 1e-5

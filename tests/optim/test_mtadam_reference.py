@@ -40,7 +40,10 @@ def _tree(d):
 
 
 def test_reproduces_the_authors_updates():
-    worst = 0.0
+    """Errors are relative to the step's largest update. Measured: 4e-7 without weight
+    decay; 3.3e-5 with it, where the fixture's own `params_after - params_before` rounds at
+    ulp(params) (~6e-5 of the update) and `params + update` agrees exactly."""
+    worst = {False: 0.0, True: 0.0}
     for n, case in enumerate(_cases()):
         b1, b2, b3 = case["betas"]
         tx = optax.chain(
@@ -59,9 +62,11 @@ def test_reproduces_the_authors_updates():
             for k, want in step["update"].items():
                 want = np.asarray(want, np.float32)
                 err = float(np.abs(np.asarray(out[k]) - want).max()) / scale
-                worst = max(worst, err)
-                tol = 5e-5 if case["weight_decay"] else 1e-5
+                decay = bool(case["weight_decay"])
+                worst[decay] = max(worst[decay], err)
+                tol = 5e-5 if decay else 1e-5
                 assert err < tol, (f"case {n} (betas {case['betas']}, ranks {case['ranks']}, "
                                    f"weight_decay {case['weight_decay']}) step {i} {k}: "
                                    f"error {err:.2e} of the largest update")
-    print(f"largest error: {worst:.2e} of the largest update")
+    print(f"largest error (of the largest update): {worst[False]:.2e} without weight decay, "
+          f"{worst[True]:.2e} with it")
