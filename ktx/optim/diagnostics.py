@@ -49,7 +49,7 @@ def diagnostics(
     """Flat `{name: float32 scalar}` of norms, cosines and MetaBalance weights.
 
     Args:
-      task_grads: what `compute_task_gradients` returned (or a stacked tree).
+      task_grads: what `compute_task_gradients` returned (or `TaskGradients.from_stacked(tree)`).
       state: the optimizer state (optional); MetaBalance weights come from it.
       target_task: the task cosines are taken against.
       groups: regexes grouping tensors (as `metabalance(groups=...)`); None: per tensor.

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ktx.optim.num_tasks import resolve_num_tasks
+from ktx.optim.num_tasks import check_task_index, resolve_num_tasks, task_index
 from ktx.optim.selection import group_names
 from ktx.optim.task_gradients import (
     flatten_task_gradients,
@@ -90,23 +90,21 @@ def metabalance(
     b = _check_unit("beta", beta, closed_right=False)
     if strategy not in STRATEGIES:
         raise ValueError(f"metabalance: strategy={strategy!r}; accepted: {STRATEGIES}")
-    if not isinstance(target_task, int) or target_task < 0:
-        raise ValueError(f"metabalance: target_task={target_task!r}; expected an int >= 0")
+    target_task = task_index(target_task, "target_task", "metabalance")
     if float(eps) < 0:
         raise ValueError(f"metabalance: eps={eps!r}; expected >= 0")
 
     def init_fn(params):
         t = resolve_num_tasks(num_tasks, "metabalance")
         params = nn.meta.unbox(params)  # [T]-shaped state takes no logical axes
-        if target_task >= t:
-            raise ValueError(f"metabalance: target_task={target_task} but num_tasks={t}")
+        check_task_index(target_task, t, "target_task", "metabalance")
         zeros = jax.tree.map(lambda _: jnp.zeros((t,), jnp.float32), params)
         ones = jax.tree.map(lambda _: jnp.ones((t,), jnp.float32), params)
         return MetaBalanceState(jnp.zeros([], jnp.int32), zeros, ones)
 
     def update_fn(updates, state, params=None, *, task_present=None, **extra):
         del params, extra
-        stacked, summed, treedef = flatten_task_gradients(updates)
+        stacked, summed, treedef = flatten_task_gradients(updates, "metabalance")
         t = num_tasks_of(stacked)
         m_leaves = jax.tree.leaves(state.moving_norms)
         if len(m_leaves) != len(stacked) or m_leaves[0].shape != (t,):
