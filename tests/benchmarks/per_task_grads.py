@@ -1,14 +1,22 @@
-"""Cost of per-task gradients + MetaBalance relative to the plain summed-loss step.
+"""Cost of per-task gradients and every balancer relative to the plain step.
 
-For T=4 tasks, on the multi-task recommendation model (`ktx.models.recsys`) and on a
-T5.1.1-tiny encoder-decoder (`ktx.models.seq2seq`), times one jitted train step
-(Adam after the balancer) for: the plain step (`jax.value_and_grad(model.loss_fn)`),
-`compute_task_gradients(method="blocks")` + MetaBalance and
-`compute_task_gradients(method="vjp")` + MetaBalance; and reads each compiled step's
-temporary memory from XLA's memory analysis. Target for blocks: <= 1.3x plain.
-A model whose module is missing is reported as skipped. Last line: one JSON object.
+For T=4 tasks, on the multi-task recommendation model (`ktx.models.recsys`, Tmall-sized
+tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
+(`ktx.models.seq2seq`):
 
-    .venv/bin/python tests/benchmarks/per_task_grads.py [--steps 20]
+* `trainer_path`: the compiled step `ktx train` runs (`ktx.trainer.Trainer.train_step`,
+  Adam, diagnostics at the default log period of 100 steps), plain and with every
+  balancer in `ktx.optim.BALANCERS`, timed interleaved: each repeat times `--steps`
+  steps of every configuration, in an order rotated from repeat to repeat; the ratio is
+  median balanced step time / median plain step time (min and median per config also
+  reported). Goals: MetaBalance and the loss-weighting balancers <= 1.05x, PCGrad, MGDA
+  and MTAdam <= 1.10x.
+* `engine`: the bare engine (`compute_task_gradients` blocks / vjp + MetaBalance) against
+  `jax.value_and_grad(model.loss_fn)`, with XLA's temporary memory of each.
+
+Last line: one JSON object.
+
+    .venv/bin/python tests/benchmarks/per_task_grads.py [--steps 5 --repeats 7]
 """
 
 from __future__ import annotations
@@ -149,20 +157,121 @@ def t5_case(steps, per_task):
     return res
 
 
+def _balancer(name):
+    import inspect
+
+    factory = ko.BALANCERS[name]
+    kwargs = {}
+    params = inspect.signature(factory).parameters
+    if "num_tasks" in params:
+        kwargs["num_tasks"] = T
+    if name == "fixed_weights":
+        kwargs["weights"] = [1.0] + [0.5] * (T - 1)
+    return factory(**kwargs)
+
+
+def trainer_path(model, batch, counts, steps, repeats, sparse=None):
+    """Interleaved timing of `Trainer.train_step`, plain and with every balancer."""
+    from ktx.trainer import Trainer
+
+    host_batch = jax.device_get(batch)
+    configs = {"plain": None, **{name: name for name in ko.BALANCERS}}
+    runs = {}
+    for name, balancer in configs.items():
+        tr = Trainer(model, optax.adam(1e-3), balancer=None if balancer is None else _balancer(balancer),
+                     shared=getattr(model, "shared_param_patterns", None),
+                     sparse_tables=sparse if balancer is not None else None,
+                     diagnostics_period=100)
+        state = tr.init_state(jax.random.key(0), host_batch)
+        state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)  # compile
+        jax.block_until_ready(m["loss"])
+        runs[name] = [tr, state]
+    times = {name: [] for name in configs}
+    order = list(configs)
+    for r in range(repeats):
+        rotated = order[r % len(order):] + order[: r % len(order)]
+        for name in rotated:
+            tr, state = runs[name]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)
+            jax.block_until_ready(m["loss"])
+            times[name].append((time.perf_counter() - t0) / steps)
+            runs[name][1] = state
+    base = statistics.median(times["plain"])
+    out = {"plain_ms": {"median": round(base * 1e3, 3), "min": round(min(times["plain"]) * 1e3, 3)}}
+    ratios = {}
+    for name in ko.BALANCERS:
+        med = statistics.median(times[name])
+        ratios[name] = round(med / base, 3)
+        out[f"{name}_ms"] = {"median": round(med * 1e3, 3), "min": round(min(times[name]) * 1e3, 3)}
+    return ratios, out
+
+
+def _recsys_setup(per_task):
+    from ktx.models.recsys import RecsysModel
+
+    num_users, num_items = 41738, 11953  # Tmall sizes
+    model = RecsysModel(num_users=num_users, num_items=num_items, num_tasks=T, dropout_rate=0.5)
+    r = np.random.default_rng(0)
+    n = T * per_task
+    batch = {
+        "user": r.integers(0, num_users, n).astype(np.int32),
+        "item": r.integers(0, num_items, n).astype(np.int32),
+        "label": r.integers(0, 2, n).astype(np.float32),
+        "task_id": np.repeat(np.arange(T), per_task).astype(np.int32),
+    }
+    return model, batch, [r"^user_embedding/embedding$", r"^item_embedding/embedding$"]
+
+
+def _t5_setup(per_task):
+    from ktx.models import t5
+    from ktx.models.seq2seq import EncoderDecoderModel
+
+    config = t5.T5Config(vocab_size=32128, emb_dim=32, num_heads=2, num_encoder_layers=2,
+                         num_decoder_layers=2, head_dim=16, mlp_dim=64, dropout_rate=0.1)
+    model = EncoderDecoderModel(config, num_tasks=T)
+    r = np.random.default_rng(0)
+    n, le, ld = T * per_task, 32, 8
+    batch = {
+        "encoder_input_tokens": r.integers(2, 1000, (n, le)).astype(np.int32),
+        "decoder_input_tokens": r.integers(2, 1000, (n, ld)).astype(np.int32),
+        "decoder_target_tokens": r.integers(2, 1000, (n, ld)).astype(np.int32),
+        "decoder_loss_weights": np.ones((n, ld), np.float32),
+        "task_id": np.repeat(np.arange(T), per_task).astype(np.int32),
+    }
+    return model, batch, None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved repeats")
     p.add_argument("--recsys_rows_per_task", type=int, default=64)
     p.add_argument("--t5_rows_per_task", type=int, default=4)
+    p.add_argument("--skip_engine", action="store_true", help="only the trainer path")
     args = p.parse_args(argv)
+    trainer_ratios, trainer_times = {}, {}
+    for key, setup, per_task in (("t5_tiny", _t5_setup, args.t5_rows_per_task),
+                                 ("recsys", _recsys_setup, args.recsys_rows_per_task)):
+        model, batch, sparse = setup(per_task)
+        counts = (per_task,) * T
+        trainer_ratios[key], trainer_times[key] = trainer_path(
+            model, batch, counts, args.steps, args.repeats, sparse)
+        print(json.dumps({"trainer_path": {key: trainer_ratios[key]}}), flush=True)
     result = {
         "benchmark": "per_task_grads",
         "num_tasks": T,
         "device": jax.devices()[0].platform,
-        "recsys": recsys_case(args.steps, args.recsys_rows_per_task),
-        "t5_1_1_tiny": t5_case(args.steps, args.t5_rows_per_task),
-        "target_blocks_ratio": 1.3,
+        "trainer_path": trainer_ratios,
+        "trainer_path_ms": trainer_times,
+        "goals": {"metabalance_and_loss_weighting": 1.05, "pcgrad_mgda_mtadam": 1.10},
     }
+    if not args.skip_engine:
+        result["engine"] = {
+            "recsys": recsys_case(args.steps * args.repeats, args.recsys_rows_per_task),
+            "t5_1_1_tiny": t5_case(args.steps * args.repeats, args.t5_rows_per_task),
+        }
     print(json.dumps(result))
     return 0
 
