@@ -97,7 +97,7 @@ def test_truncated_safetensors(tmp_path):
     folder = _copy("hf_t5_v1_1_tiny", tmp_path)
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[: len(data) - 1000])
-    _import_fails(f"hf:{folder}", tmp_path, ValueError, r"model\.safetensors: truncated safetensors file")
+    _import_fails(f"hf:{folder}", tmp_path, ValueError, r"model\.safetensors: truncated or malformed safetensors file")
     (folder / "model.safetensors").write_bytes(data[:4])
     _import_fails(f"hf:{folder}", tmp_path, ValueError, "truncated")
 
