@@ -36,6 +36,8 @@ setuptools.setup(
     extras_require={
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0"],
         "bench": [],
+        # Ahead-of-time compiles for TPU topologies on any machine (`ktx precompile`).
+        "tpu": ["jax[tpu]==0.10.2"],
     },
     entry_points={"console_scripts": ["ktx = ktx.cli:main"]},
 )

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 DEFAULT_GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
-COMMANDS = ("train", "eval", "infer", "params", "analyze", "import", "export")
+COMMANDS = ("train", "eval", "infer", "params", "analyze", "import", "export", "precompile")
 # Each command runs the first of its entry functions that the gin files configure
 # (`ktx eval` decodes T5 runs with ktx.eval.evaluate and ranks recommendation runs with
 # ktx.ranking_eval.evaluate).
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     parser.add_argument("--gin_search_paths", default="", help="comma-separated folders")
     parser.add_argument("--multihost", action="store_true", help="jax.distributed.initialize()")
+    parser.add_argument("--topology", default=None,
+                        help="precompile: a TPU topology as JAX names it (v4:4x4x4, v5e:16x16) or cpu")
     parser.add_argument("--debug", action="store_true",
                         help="let a run-time error raise with its traceback")
     parser.add_argument(
@@ -571,6 +573,54 @@ def _write_config(model_dir, name: str = "config.gin") -> None:
     (d / name).write_text(gin.operative_config_str())
 
 
+def _resolve_reference(value):
+    """A gin binding's value: a `@fn()` reference called, `%MACRO` resolved."""
+    import gin
+
+    if isinstance(value, gin.config.ConfigurableReference):
+        return value.scoped_configurable_fn() if value.evaluate else value.scoped_configurable_fn
+    return value
+
+
+def _precompile_command(args) -> int:
+    """`ktx precompile --topology=NAME`: the train step of the gin-configured run
+    (`runs/train.gin` + model + conditioning + optim files) compiled ahead of time for a
+    TPU topology (`ktx.precompile`); exit 3 when it does not fit the chips' HBM."""
+    import gin
+
+    import ktx.train
+    from ktx import precompile as precompile_lib
+
+    topology = args.topology or _query_macro("TOPOLOGY")
+    if not topology:
+        raise GinConfigError("ktx precompile needs --topology=NAME (e.g. v4:4x4x4, v5e:16x16) or a "
+                             "gin file binding TOPOLOGY (gin/pods/*.gin)")
+    try:
+        bound = gin.get_bindings(ktx.train.train, resolve_references=False)
+    except ValueError:
+        bound = {}
+    if "model" not in bound:
+        raise GinConfigError("ktx precompile compiles the train step of a run: include runs/train.gin "
+                             "and a model file (gin/models/*.gin)")
+    lengths = _query_macro("TASK_FEATURE_LENGTHS")
+    batch_size = _query_macro("BATCH_SIZE")
+    for name, value in (("TASK_FEATURE_LENGTHS", lengths), ("BATCH_SIZE", batch_size)):
+        if value is None or repr(value) == "%gin.REQUIRED":
+            raise GinConfigError(f"ktx precompile needs --gin.{name}=...")
+    kwargs = {k: _resolve_reference(bound[k]) for k in (
+        "model", "optimizer", "balancer", "num_partitions", "num_microbatches", "grad_method",
+        "shared", "additional_rules", "target_task") if k in bound}
+    try:
+        report = precompile_lib.precompile(
+            topology=topology, batch_size=int(batch_size), task_feature_lengths=dict(lengths),
+            **kwargs)
+    except precompile_lib.DoesNotFitError as e:
+        print(f"ktx precompile: {e}", file=sys.stderr)
+        return 3
+    print(report.format())
+    return 3 if report.fits is False else 0
+
+
 def _params_command(files, bindings) -> None:
     import gin
 
@@ -738,6 +788,8 @@ def _run(args, bindings) -> int:
     if args.command == "params":
         _params_command(files, bindings)
         return 0
+    if args.command == "precompile":
+        return _precompile_command(args)
     _check_run_macros(args.command)
     model_dir = _query_macro("MODEL_DIR")
     if args.command == "train":

@@ -507,6 +507,19 @@ class Trainer:
         with self._context():
             return self._compiled_train_step(capacity)(state, global_batch, rng)
 
+    def lower_train_step(
+        self, state: Any, batch: Mapping[str, Any], rng: Any,
+        task_capacity: Sequence[int] | None = None,
+    ) -> Any:
+        """The train step lowered for `state`, `batch` and `rng` (arrays or
+        `ShapeDtypeStruct`s with shardings, e.g. for another platform's devices): call
+        `.compile()` on it for XLA's memory and cost analyses (`ktx.precompile`)."""
+        if self.state_shardings is None:
+            raise ValueError("Trainer.lower_train_step before create_abstract_state")
+        capacity = None if task_capacity is None else tuple(int(c) for c in task_capacity)
+        with self._context():
+            return self._compiled_train_step(capacity).lower(state, batch, rng)
+
     def eval_step(self, params: Any, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Compiled `eval_step` on this process's rows; returns replicated `[T]` sums."""
         if self.state_shardings is None:

@@ -1,0 +1,236 @@
+"""Ahead-of-time compilation of the real train step for a TPU topology, without TPUs.
+
+`precompile(model, optimizer, topology="v4:4x4x4", ...)` builds the (data, model) mesh
+over the topology's devices (`jax.experimental.topologies.get_topology_desc`, which needs
+`libtpu`: `pip install 'ktx[tpu]'`), the sharded abstract train state and batch, and
+lowers and compiles `ktx.trainer.train_step` exactly as `ktx train` would run it (same
+model, conditioning, balancer, optimizer, partitioning rules, batch and lengths). XLA's
+analyses then give, per chip, the memory of the arguments (train state and batch), the
+outputs, the temporaries, and the FLOPs of one step; the report compares the total with
+the chip's HBM and predicts the step time at the chip's peak.
+
+`topology="cpu"` compiles for this process's devices instead (no libtpu needed): the
+same code path, used by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from ktx import partitioning
+from ktx.models.base import BaseModel
+from ktx.trainer import Trainer
+
+__all__ = ["CHIPS", "DoesNotFitError", "PrecompileReport", "precompile", "topology_devices"]
+
+
+class DoesNotFitError(RuntimeError):
+    """XLA refused the compile: the step needs more device memory than the chip has (the
+    message gives XLA's figures: required vs available)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Per-chip HBM and dense bfloat16 peak (the vendor's published figures)."""
+
+    hbm_gib: float
+    peak_tflops: float
+
+
+# Cloud TPU system architecture pages: v4 32 GiB / 275 TFLOP/s, v5e 16 GiB / 197,
+# v5p 95 GiB / 459, v6e (Trillium) 32 GiB / 918 (bf16 dense).
+CHIPS = {
+    "v4": Chip(32, 275.0),
+    "v5e": Chip(16, 197.0),
+    "v5p": Chip(95, 459.0),
+    "v6e": Chip(32, 918.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecompileReport:
+    """What one compiled step needs on each chip (bytes) and costs (FLOPs)."""
+
+    topology: str
+    num_devices: int
+    mesh_shape: dict[str, int]
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops_per_step: float | None
+    hbm_bytes: int | None
+    peak_flops: float | None
+    compile_seconds: float
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak per-chip footprint: arguments + outputs not aliased to (donated)
+        arguments + temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
+
+    @property
+    def predicted_step_seconds(self) -> float | None:
+        if self.flops_per_step is None or self.peak_flops is None:
+            return None
+        return self.flops_per_step / self.peak_flops
+
+    def format(self) -> str:
+        gib = 2.0 ** 30
+
+        def g(b):
+            return f"{b / gib:8.3f} GiB"
+
+        lines = [
+            f"topology {self.topology}: {self.num_devices} devices, mesh "
+            + " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+            + f" (compiled in {self.compile_seconds:.1f} s)",
+            f"  arguments   {g(self.argument_bytes)}  (train state + batch, per device)",
+            f"  outputs     {g(self.output_bytes)}  ({g(self.alias_bytes).strip()} aliased to donated arguments)",
+            f"  temporaries {g(self.temp_bytes)}",
+            f"  total       {g(self.total_bytes)}"
+            + ("" if self.hbm_bytes is None else f"  of {g(self.hbm_bytes).strip()} HBM"),
+        ]
+        if self.flops_per_step is not None:
+            line = f"  FLOPs/step  {self.flops_per_step:.4g} per device"
+            if self.predicted_step_seconds is not None:
+                line += f"; at peak {self.predicted_step_seconds * 1e3:.2f} ms/step"
+            lines.append(line)
+        if self.fits is False:
+            lines.append(f"  DOES NOT FIT: {g(self.total_bytes - self.hbm_bytes).strip()} over the HBM")
+        elif self.fits:
+            lines.append("  fits")
+        return "\n".join(lines)
+
+
+def _chip(topology: str) -> Chip | None:
+    return CHIPS.get(topology.split(":")[0].lower())
+
+
+def topology_devices(topology: str) -> list[Any]:
+    """The devices of a named TPU topology (`"v4:4x4x4"`, `"v5e:16x16"`, ...) for an
+    ahead-of-time compile, or this process's devices for `"cpu"`."""
+    if topology == "cpu":
+        return list(jax.devices())
+    if ":" not in topology:
+        raise ValueError(f"topology={topology!r}; accepted: 'cpu' or a TPU topology such as "
+                         f"'v4:4x4x4', 'v5e:16x16' (chips: {sorted(CHIPS)})")
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:  # pragma: no cover - present in every supported jax
+        raise RuntimeError(f"jax.experimental.topologies is unavailable: {e}") from e
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", _accelerator_type(topology))
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown topology
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(
+            f"cannot build TPU topology {topology!r} ({text}); ahead-of-time TPU compiles "
+            "need libtpu: pip install 'ktx[tpu]' (or jax[tpu] at the pinned jax version)"
+        ) from e
+    return list(desc.devices)
+
+
+def _num_chips(topology: str) -> int | None:
+    try:
+        return math.prod(int(d) for d in topology.split(":", 1)[1].split("x"))
+    except (IndexError, ValueError):
+        return None
+
+
+def _accelerator_type(topology: str) -> str:
+    """`"v4:4x4x4"` -> `"v4-128"` (TPU_ACCELERATOR_TYPE; silences libtpu's warnings).
+    v4 and v5p count TensorCores (2 per chip), v5e and v6e chips."""
+    chip, dims = topology.split(":", 1)
+    try:
+        chips = math.prod(int(d) for d in dims.split("x"))
+    except ValueError:
+        return chip
+    per_chip = 2 if chip.lower() in ("v4", "v5p") else 1
+    return f"{chip.lower().replace('v5e', 'v5litepod')}-{chips * per_chip}"
+
+
+def precompile(
+    model: BaseModel,
+    optimizer: optax.GradientTransformation,
+    *,
+    topology: str,
+    batch_size: int,
+    task_feature_lengths: Mapping[str, int] | None,
+    num_partitions: int = 1,
+    balancer: Any = None,
+    num_microbatches: int = 1,
+    grad_method: str = "auto",
+    shared: Sequence[str] | None = None,
+    additional_rules: Sequence[tuple[str, str | None]] = (),
+    target_task: int = 0,
+) -> PrecompileReport:
+    """Lowers and compiles one train step for `topology`; see the module docstring.
+
+    The batch is `model.input_spec(batch_size, task_feature_lengths)`; a balanced step is
+    compiled with equal task blocks (the block sizes a mixture's counts would give).
+    """
+    devices = topology_devices(topology)
+    mesh = partitioning.create_mesh(num_partitions, devices=devices)
+    rules = partitioning.standard_logical_axis_rules(additional_rules)
+    trainer = Trainer(model, optimizer, mesh=mesh, rules=rules, balancer=balancer,
+                      num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
+                      diagnostics_period=100, target_task=target_task)
+    spec = model.input_spec(batch_size, task_feature_lengths)
+    abstract_state, _ = trainer.create_abstract_state(spec)
+    data = partitioning.data_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in spec.items()}
+    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                               sharding=partitioning.replicated_sharding(mesh))
+    capacity = None
+    if balancer is not None and num_microbatches == 1:
+        t = model.num_tasks
+        capacity = tuple(batch_size // t + (1 if i < batch_size % t else 0) for i in range(t))
+    start = time.perf_counter()
+    lowered = trainer.lower_train_step(abstract_state, batch, rng, task_capacity=capacity)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - XLA reports out-of-memory as a runtime error
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
+            line = next((ln for ln in text.splitlines() if "memory" in ln), text.splitlines()[0])
+            raise DoesNotFitError(
+                f"topology {topology} (mesh {dict(mesh.shape)}, batch {batch_size}): does not fit: "
+                f"{line.strip()}") from e
+        raise
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = float(cost["flops"]) if cost and "flops" in cost else None
+    chip = _chip(topology)
+    # Per device: a chip's HBM and peak shared by the devices JAX exposes per chip.
+    chips = _num_chips(topology)
+    share = 1.0 if chips is None else chips / len(devices)
+    return PrecompileReport(
+        topology=topology,
+        num_devices=len(devices),
+        mesh_shape=dict(mesh.shape),
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        flops_per_step=flops,
+        hbm_bytes=None if chip is None else int(chip.hbm_gib * 2 ** 30 * share),
+        peak_flops=None if chip is None else chip.peak_tflops * 1e12 * share,
+        compile_seconds=seconds,
+    )
+
