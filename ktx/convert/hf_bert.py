@@ -1,0 +1,262 @@
+"""Hugging Face BERT directories -> ktx BERT parameters (`ktx.models.bert.BertEncoder`).
+
+A directory as transformers' `save_pretrained` (or sentence-transformers) writes it:
+`config.json` with `model_type: bert` and `model.safetensors` (or shards listed by
+`model.safetensors.index.json`). Other files (tokenizer, sentence-transformers'
+`modules.json`, `1_Pooling/config.json`, ...) are ignored; `pytorch_model.bin` (a pickle)
+is never loaded.
+
+Tensor names are accepted with the `bert.` prefix (`BertForMaskedLM`, `BertForPreTraining`)
+or without it (`BertModel`, sentence-transformers). The pooler (absent from
+`BertForMaskedLM`) and the MLM head (absent from `BertModel`) are optional; the NSP head
+(`cls.seq_relationship.*`) and the `embeddings.position_ids` buffer are skipped; any other
+tensor, a missing one or a wrong shape is a ValueError naming the tensor, its shape and
+the expected one.
+
+Name mapping (torch `Linear` weights are `[out, in]`; ktx kernels `[in, out]`, attention
+heads split: query/key/value `[E, H, D]`, out `[H, D, E]`):
+
+    embeddings.{word,position,token_type}_embeddings.weight   embeddings/{...}/embedding
+    embeddings.LayerNorm.{weight,bias}                        embeddings/layer_norm/{scale,bias}
+    encoder.layer.i.attention.self.{query,key,value}          layers_i/attention/{query,key,value}
+    encoder.layer.i.attention.output.dense                    layers_i/attention/out
+    encoder.layer.i.attention.output.LayerNorm                layers_i/attention_layer_norm
+    encoder.layer.i.intermediate.dense                        layers_i/intermediate
+    encoder.layer.i.output.dense                              layers_i/output
+    encoder.layer.i.output.LayerNorm                          layers_i/output_layer_norm
+    pooler.dense                                              pooler
+    cls.predictions.transform.dense                           mlm/transform
+    cls.predictions.transform.LayerNorm                       mlm/layer_norm
+    cls.predictions.bias [V]                                  mlm/bias
+    cls.predictions.decoder.weight / .bias                    tied: must equal the word
+                                                              embeddings / cls.predictions.bias
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ktx.convert import layout
+from ktx.convert.hf_t5 import _read_tensors
+from ktx.models.bert import HIDDEN_ACTS, BertConfig, BertEncoder
+
+__all__ = [
+    "BertImported",
+    "MODEL_TYPES",
+    "PARTIAL_SCOPES",
+    "bert_config_from_hf",
+    "expected_shapes",
+    "hf_bert_tensor_names",
+    "is_hf_bert",
+    "read_hf_bert",
+]
+
+MODEL_TYPES = ("bert",)
+# Top-level parameter scopes a model started from a BERT checkpoint may have without the
+# checkpoint holding them (task heads; the pooler of an MLM checkpoint) or may leave unused
+# (the MLM head of a classifier): `ktx.checkpoints.load_initial_params` initializes or
+# skips them and reports it.
+PARTIAL_SCOPES = ("pooler", "mlm", "task_heads")
+_ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new"}
+_SKIPPED = ("embeddings.position_ids", "cls.seq_relationship.weight", "cls.seq_relationship.bias")
+
+
+class BertImported(NamedTuple):
+    """A converted BERT checkpoint: its `BertConfig`, the `params` of `BertEncoder(config)`
+    (nested dicts of float32 numpy arrays; `pooler` / `mlm` only when the checkpoint has
+    them) and the source string."""
+
+    config: BertConfig
+    params: dict[str, Any]
+    source: str
+    partial_scopes: tuple[str, ...] = PARTIAL_SCOPES
+
+
+def bert_config_from_hf(values: Mapping[str, Any], *, where: str = "config.json") -> BertConfig:
+    """The `BertConfig` of a transformers BERT `config.json`. Raises ValueError naming the
+    field, its value and what is accepted."""
+    model_type = values.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{where}: model_type={model_type!r}; accepted: {list(MODEL_TYPES)}")
+    pos = values.get("position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise ValueError(f"{where}: position_embedding_type={pos!r}; accepted: 'absolute'")
+    act = values.get("hidden_act", "gelu")
+    act = _ACT_ALIASES.get(act, act)
+    if act not in HIDDEN_ACTS:
+        raise ValueError(
+            f"{where}: hidden_act={values.get('hidden_act')!r}; accepted: "
+            f"{sorted([*HIDDEN_ACTS, *_ACT_ALIASES])}"
+        )
+    if values.get("is_decoder") or values.get("add_cross_attention"):
+        raise ValueError(f"{where}: is_decoder/add_cross_attention set; ktx's BERT is an encoder")
+    try:
+        return BertConfig(
+            vocab_size=values["vocab_size"], hidden_size=values["hidden_size"],
+            num_layers=values["num_hidden_layers"], num_heads=values["num_attention_heads"],
+            intermediate_size=values["intermediate_size"],
+            max_position=values.get("max_position_embeddings", 512),
+            type_vocab_size=values.get("type_vocab_size", 2), hidden_act=act,
+            layer_norm_eps=float(values.get("layer_norm_eps", 1e-12)),
+            dropout_rate=float(values.get("hidden_dropout_prob", 0.1)),
+            attention_dropout_rate=float(values.get("attention_probs_dropout_prob", 0.1)),
+        )
+    except KeyError as e:
+        raise ValueError(f"{where}: field {e.args[0]!r} is missing") from e
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
+    """`{ktx path: shape}` of `BertEncoder(config)` with pooler and MLM head (shapes only)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    abstract = jax.eval_shape(
+        lambda i: BertEncoder(config).init(jax.random.key(0), i, mlm=True), ids)
+    flat = layout.flatten(nn.unbox(abstract)["params"])
+    return {k: tuple(v.shape) for k, v in flat.items()}
+
+
+def _mapping(config: BertConfig) -> dict[str, tuple[str, bool]]:
+    """`{hf name (unprefixed): (ktx path, transpose)}`."""
+    m: dict[str, tuple[str, bool]] = {}
+    for part in ("word", "position", "token_type"):
+        m[f"embeddings.{part}_embeddings.weight"] = (f"embeddings/{part}_embeddings/embedding", False)
+
+    def dense(hf: str, ktx: str) -> None:
+        m[f"{hf}.weight"] = (f"{ktx}/kernel", True)
+        m[f"{hf}.bias"] = (f"{ktx}/bias", False)
+
+    def norm(hf: str, ktx: str) -> None:
+        m[f"{hf}.weight"] = (f"{ktx}/scale", False)
+        m[f"{hf}.bias"] = (f"{ktx}/bias", False)
+
+    norm("embeddings.LayerNorm", "embeddings/layer_norm")
+    for i in range(config.num_layers):
+        hf, ktx = f"encoder.layer.{i}", f"layers_{i}"
+        for name in ("query", "key", "value"):
+            dense(f"{hf}.attention.self.{name}", f"{ktx}/attention/{name}")
+        dense(f"{hf}.attention.output.dense", f"{ktx}/attention/out")
+        norm(f"{hf}.attention.output.LayerNorm", f"{ktx}/attention_layer_norm")
+        dense(f"{hf}.intermediate.dense", f"{ktx}/intermediate")
+        dense(f"{hf}.output.dense", f"{ktx}/output")
+        norm(f"{hf}.output.LayerNorm", f"{ktx}/output_layer_norm")
+    dense("pooler.dense", "pooler")
+    dense("cls.predictions.transform.dense", "mlm/transform")
+    norm("cls.predictions.transform.LayerNorm", "mlm/layer_norm")
+    m["cls.predictions.bias"] = ("mlm/bias", False)
+    return m
+
+
+def hf_bert_tensor_names(config: BertConfig) -> dict[str, tuple[int, ...]]:
+    """`{transformers tensor name (without `bert.`): shape}` for `config`, pooler and MLM
+    head included."""
+    shapes = expected_shapes(config)
+    out = {}
+    for name, (path, transpose) in _mapping(config).items():
+        s = shapes[path]
+        if transpose:  # torch [out, in]: split axes flattened
+            if path.endswith("attention/out/kernel"):
+                out[name] = (s[2], s[0] * s[1])
+            elif len(s) == 3:
+                out[name] = (s[1] * s[2], s[0])
+            else:
+                out[name] = (s[1], s[0])
+        else:
+            out[name] = (int(np.prod(s)),) if len(s) == 2 and "bias" in path else s
+    return out
+
+
+def _strip(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for name in tensors:
+        key = name[len("bert."):] if name.startswith("bert.") else name
+        if key in out:
+            raise ValueError(f"tensor {key!r} is stored both with and without the 'bert.' prefix")
+        out[key] = tensors[name]
+    return out
+
+
+def is_hf_bert(path: str | os.PathLike) -> bool:
+    """Whether `path/config.json` declares a BERT `model_type`."""
+    config_file = pathlib.Path(path).expanduser() / "config.json"
+    try:
+        return json.loads(config_file.read_text()).get("model_type") in MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_hf_bert(path: str | os.PathLike) -> BertImported:
+    """Reads a Hugging Face BERT directory into ktx `BertEncoder` parameters.
+
+    Raises FileNotFoundError (missing directory, config.json or weights) or ValueError
+    (unsupported config, pickle-only directory, a tensor missing, unexpected or of the
+    wrong shape, an untied MLM decoder).
+    """
+    path = pathlib.Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"Hugging Face checkpoint directory {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (a Hugging Face BERT directory holds "
+                                "config.json and model.safetensors)")
+    try:
+        values = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from e
+    config = bert_config_from_hf(values, where=str(config_file))
+    tensors = _strip(_read_tensors(path))
+    for name in _SKIPPED:
+        tensors.pop(name, None)
+    word = tensors.get("embeddings.word_embeddings.weight")
+    for name, same_as in (("cls.predictions.decoder.weight", word),
+                          ("cls.predictions.decoder.bias", tensors.get("cls.predictions.bias"))):
+        if name in tensors:
+            if same_as is None or tensors[name].shape != same_as.shape or not np.array_equal(
+                    tensors[name], same_as):
+                raise ValueError(
+                    f"{path}: tensor {name} {list(tensors[name].shape)} differs from the tensor "
+                    "it is tied to (ktx's MLM head is tied to the word embeddings)")
+            del tensors[name]
+    expected = hf_bert_tensor_names(config)
+    optional = {n for n in expected if n.startswith(("pooler.", "cls."))}
+    groups = {"pooler.": "pooler", "cls.": "MLM head"}
+    lines = []
+    for prefix, label in groups.items():
+        names = [n for n in expected if n.startswith(prefix)]
+        present = [n for n in names if n in tensors]
+        if present and len(present) != len(names):
+            lines += [f"  tensor {n} is missing (the {label} is partly present; expected shape "
+                      f"{list(expected[n])})" for n in names if n not in tensors]
+    for name, shape in expected.items():
+        if name not in tensors:
+            if name not in optional:
+                lines.append(f"  tensor {name} is missing (expected shape {list(shape)})")
+        elif tuple(tensors[name].shape) != shape:
+            lines.append(f"  tensor {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+    lines += [f"  tensor {name} {list(tensors[name].shape)} is not part of this model"
+              for name in tensors if name not in expected]
+    if lines:
+        fields = (f"hidden_size={config.hidden_size}, num_hidden_layers={config.num_layers}, "
+                  f"num_attention_heads={config.num_heads}, intermediate_size="
+                  f"{config.intermediate_size}, vocab_size={config.vocab_size}, "
+                  f"max_position_embeddings={config.max_position}, type_vocab_size="
+                  f"{config.type_vocab_size}")
+        raise ValueError(f"{path}: the tensors do not match config.json ({fields}):\n"
+                         + "\n".join(lines))
+    shapes = expected_shapes(config)
+    flat = {}
+    for name, (p, transpose) in _mapping(config).items():
+        if name in tensors:
+            a = np.asarray(tensors[name], np.float32)
+            flat[p] = np.ascontiguousarray((a.T if transpose else a).reshape(shapes[p]))
+    return BertImported(config, layout.unflatten(flat), f"hf:{path}")

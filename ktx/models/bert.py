@@ -1,0 +1,371 @@
+"""BERT-layout Transformer encoder in flax.linen (Devlin et al., 2019, "BERT: Pre-training
+of Deep Bidirectional Transformers for Language Understanding").
+
+Layout: learned absolute position embeddings and token-type embeddings added to the word
+embeddings, then LayerNorm and dropout; `num_layers` post-LayerNorm layers (self-attention
+with biases -> dropout -> LayerNorm(x + attention); dense -> GELU -> dense -> dropout ->
+LayerNorm(x + mlp)); a pooled output `tanh(dense(h[:, 0]))` on the first ([CLS]) token;
+an MLM head (dense -> GELU -> LayerNorm -> logits through the transposed word embeddings
+plus a bias of `[V]`).
+
+Attention mask: `attention_mask` `[B, L]` (1 = attend) when given, else `input_ids > 0`
+(BERT vocabularies put `[PAD]` at id 0). As in transformers, only *keys* are masked:
+padded positions still get (meaningless) hidden states, computed the same way as there.
+
+Shapes: `B` batch, `L` length (<= `max_position`), `E` hidden, `H` heads, `D = E / H`,
+`M` intermediate, `V` vocabulary.
+
+Parameters (flat paths; each maps one to one to a transformers `BertModel` /
+`BertForMaskedLM` tensor, see `ktx.convert.hf_bert`), with logical axes from
+`ktx.partitioning` so the model shards on the (data, model) mesh as T5 does:
+
+    embeddings/word_embeddings/embedding            [V, E]     (vocab, embed)
+    embeddings/position_embeddings/embedding        [P, E]     (None, embed)
+    embeddings/token_type_embeddings/embedding      [T, E]     (None, embed)
+    embeddings/layer_norm/{scale,bias}              [E]        (embed,)
+    layers_i/attention/{query,key,value}/kernel     [E, H, D]  (embed, heads, kv)
+    layers_i/attention/{query,key,value}/bias       [H, D]     (heads, kv)
+    layers_i/attention/out/kernel                   [H, D, E]  (heads, kv, embed)
+    layers_i/attention/out/bias                     [E]        (embed,)
+    layers_i/attention_layer_norm/{scale,bias}      [E]
+    layers_i/intermediate/{kernel [E, M], bias [M]} (embed, mlp) / (mlp,)
+    layers_i/output/{kernel [M, E], bias [E]}       (mlp, embed) / (embed,)
+    layers_i/output_layer_norm/{scale,bias}         [E]
+    pooler/{kernel [E, E], bias [E]}                (embed, mlp) / (mlp,)
+    mlm/transform/{kernel [E, E], bias [E]}         (embed, mlp) / (mlp,)
+    mlm/layer_norm/{scale,bias}                     [E]
+    mlm/bias                                        [V]        (vocab,)
+
+The pooler's and MLM transform's output axis is named `mlp` (sharded over `model`), as a
+square `[E, E]` matrix needs one sharded side.
+
+Precision: activations in `BertConfig.dtype`; parameters, attention scores, softmax,
+layer norms and the MLM logits in float32.
+
+Dropout (`dropout_rate`, transformers' `hidden_dropout_prob`) on the embedding output and
+on both sub-block outputs before the residual sum; `attention_dropout_rate`
+(`attention_probs_dropout_prob`) on the attention probabilities. Masks come from the
+`dropout` rng; the models draw them per example (`ktx.models.base.row_keys`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, VOCAB
+
+__all__ = [
+    "ACTIVATION_DTYPES",
+    "HIDDEN_ACTS",
+    "BertConfig",
+    "BertOutput",
+    "BertEmbeddings",
+    "BertAttention",
+    "BertLayer",
+    "BertMLMHead",
+    "BertEncoder",
+    "attention_mask_from",
+]
+
+ACTIVATION_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# transformers' `hidden_act` names: "gelu" is the exact erf GELU, "gelu_new" (alias
+# "gelu_pytorch_tanh") the tanh approximation.
+HIDDEN_ACTS = {
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: nn.gelu(x, approximate=True),
+    "relu": nn.relu,
+}
+_NEG_INF = -1e10
+
+Array = jax.Array
+Dtype = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Shapes and options of a BERT encoder (defaults: BERT-Base, uncased vocabulary).
+
+    `dropout_rate` / `attention_dropout_rate` are transformers' `hidden_dropout_prob` /
+    `attention_probs_dropout_prob` (0.1 in every BERT checkpoint). `dtype` is the
+    activation dtype ("float32" or "bfloat16"); parameters stay float32.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    max_position: int = 512
+    type_vocab_size: int = 2
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                     "intermediate_size", "max_position", "type_vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BertConfig.{name}={value!r}: must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"BertConfig.hidden_size={self.hidden_size} is not a multiple of "
+                f"num_heads={self.num_heads}"
+            )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(
+                f"BertConfig.hidden_act={self.hidden_act!r}; accepted: {sorted(HIDDEN_ACTS)}"
+            )
+        if not isinstance(self.layer_norm_eps, (int, float)) or self.layer_norm_eps <= 0:
+            raise ValueError(f"BertConfig.layer_norm_eps={self.layer_norm_eps!r}: must be > 0")
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"BertConfig.{name}={value!r}: must be in [0, 1)")
+        if self.dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"BertConfig.dtype={self.dtype!r}; accepted: {sorted(ACTIVATION_DTYPES)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def activation_dtype(self) -> Dtype:
+        return ACTIVATION_DTYPES[self.dtype]
+
+
+class BertOutput(NamedTuple):
+    """`last_hidden_state [B, L, E]`, `pooled_output [B, E]` (None with `pool=False`) and,
+    when asked for,
+    `mlm_logits [B, L, V]` (float32; else None)."""
+
+    last_hidden_state: Array
+    pooled_output: Array
+    mlm_logits: Array | None = None
+
+
+_kernel_init = nn.initializers.normal(stddev=0.02)  # BERT's initializer_range
+
+
+def _dense(features, kernel_axes, bias_axes, *, axis=-1, dtype=jnp.float32, name=None):
+    return nn.DenseGeneral(
+        features=features, axis=axis, dtype=dtype, param_dtype=jnp.float32, name=name,
+        kernel_init=nn.with_logical_partitioning(_kernel_init, kernel_axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
+    )
+
+
+def _layer_norm(eps: float, dtype: Dtype, name: str) -> nn.LayerNorm:
+    # Two-pass variance (E[(x - mean)^2], as torch) for float32 parity; computed in float32.
+    return nn.LayerNorm(
+        epsilon=eps, dtype=dtype, param_dtype=jnp.float32, use_fast_variance=False, name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, (EMBED,)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED,)),
+    )
+
+
+def attention_mask_from(input_ids: Array, attention_mask: Array | None) -> Array:
+    """Boolean `[B, L]` keys to attend: `attention_mask > 0` if given, else `input_ids > 0`."""
+    if attention_mask is None:
+        return input_ids > 0
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {attention_mask.shape}; accepted: input_ids' shape "
+            f"{input_ids.shape}"
+        )
+    return attention_mask > 0
+
+
+class BertEmbeddings(nn.Module):
+    """`input_ids`, `token_type_ids` int `[B, L]` -> `LayerNorm(word + position + type)`
+    `[B, L, E]` with dropout; `attend(x [..., E]) -> [..., V]` against the word table."""
+
+    vocab_size: int
+    hidden_size: int
+    max_position: int
+    type_vocab_size: int
+    layer_norm_eps: float = 1e-12
+    dropout_rate: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        init = nn.initializers.normal(stddev=0.02)
+        self.word_embeddings = nn.Embed(
+            self.vocab_size, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
+            embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)))
+        self.position_embeddings = nn.Embed(
+            self.max_position, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
+            embedding_init=nn.with_logical_partitioning(init, (None, EMBED)))
+        self.token_type_embeddings = nn.Embed(
+            self.type_vocab_size, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
+            embedding_init=nn.with_logical_partitioning(init, (None, EMBED)))
+        self.layer_norm = _layer_norm(self.layer_norm_eps, self.dtype, "layer_norm")
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool) -> Array:
+        length = input_ids.shape[1]
+        if length > self.max_position:
+            raise ValueError(
+                f"input length {length} exceeds max_position={self.max_position} (the "
+                "learned position table); truncate the inputs"
+            )
+        positions = jnp.arange(length, dtype=jnp.int32)[None]
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings(token_type_ids))
+        x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+        return self.dropout(self.layer_norm(x), deterministic=deterministic)
+
+    def attend(self, x: Array) -> Array:
+        """`[..., E] -> [..., V]` float32 dot products with every word embedding."""
+        return self.word_embeddings.attend(jnp.asarray(x, jnp.float32))
+
+
+class BertAttention(nn.Module):
+    """Bidirectional multi-head self-attention with biases: `[B, L, E]` and a boolean key
+    mask `[B, L]` -> `[B, L, E]` (before the residual and layer norm). Scores and softmax
+    in float32; `dropout_rate` applies to the attention probabilities."""
+
+    num_heads: int
+    head_dim: int
+    dropout_rate: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, deterministic: bool) -> Array:
+        proj = {
+            name: _dense((self.num_heads, self.head_dim), (EMBED, HEADS, KV), (HEADS, KV),
+                         dtype=self.dtype, name=name)(x)
+            for name in ("query", "key", "value")
+        }
+        q, k, v = (nn.with_logical_constraint(proj[n], (BATCH, LENGTH, HEADS, KV))
+                   for n in ("query", "key", "value"))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", jnp.asarray(q, jnp.float32),
+                            jnp.asarray(k, jnp.float32)) / math.sqrt(self.head_dim)
+        scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, self.dtype), v)
+        out = _dense(x.shape[-1], (HEADS, KV, EMBED), (EMBED,), axis=(-2, -1),
+                     dtype=self.dtype, name="out")(out)
+        return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
+
+
+class BertLayer(nn.Module):
+    """One post-LayerNorm encoder layer: `[B, L, E]`, key mask `[B, L]` -> `[B, L, E]`."""
+
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, deterministic: bool) -> Array:
+        hidden = x.shape[-1]
+        a = BertAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
+                          self.dtype, name="attention")(x, mask, deterministic)
+        a = nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
+        x = _layer_norm(self.layer_norm_eps, self.dtype, "attention_layer_norm")(x + a)
+        h = _dense(self.intermediate_size, (EMBED, MLP), (MLP,), dtype=self.dtype,
+                   name="intermediate")(x)
+        h = HIDDEN_ACTS[self.hidden_act](h)
+        h = nn.with_logical_constraint(h, (BATCH, LENGTH, MLP))
+        h = _dense(hidden, (MLP, EMBED), (EMBED,), dtype=self.dtype, name="output")(h)
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        x = _layer_norm(self.layer_norm_eps, self.dtype, "output_layer_norm")(x + h)
+        return nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+
+
+class BertMLMHead(nn.Module):
+    """`[B, L, E]` -> transform (dense, activation, LayerNorm) `[B, L, E]`, float32; the
+    encoder turns it into logits with the tied word embeddings plus `bias` `[V]`."""
+
+    vocab_size: int
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, attend) -> Array:
+        h = _dense(x.shape[-1], (EMBED, MLP), (MLP,), dtype=self.dtype, name="transform")(x)
+        h = HIDDEN_ACTS[self.hidden_act](h)
+        h = _layer_norm(self.layer_norm_eps, jnp.float32, "layer_norm")(h)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (VOCAB,)),
+                          (self.vocab_size,), jnp.float32)
+        logits = attend(h) + bias
+        return nn.with_logical_constraint(logits, (BATCH, LENGTH, VOCAB))
+
+
+class BertEncoder(nn.Module):
+    """The BERT encoder with its pooler and (on request) MLM head.
+
+    `__call__(input_ids, token_type_ids=None, attention_mask=None, *, deterministic=True,
+    mlm=False) -> BertOutput`: int `[B, L]` inputs (token types default to 0, the mask to
+    `input_ids > 0`); `mlm=True` adds `mlm_logits [B, L, V]` (and creates the `mlm`
+    parameters at init); `pool=False` leaves out the pooler (`pooled_output` None). Subclasses (task heads) call `encode` and add modules in `setup`.
+    """
+
+    config: BertConfig = BertConfig()
+
+    def setup(self):
+        c = self.config
+        dtype = c.activation_dtype
+        self.embeddings = BertEmbeddings(
+            c.vocab_size, c.hidden_size, c.max_position, c.type_vocab_size, c.layer_norm_eps,
+            c.dropout_rate, dtype)
+        self.layers = [
+            BertLayer(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+                      c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
+                      name=f"layers_{i}")
+            for i in range(c.num_layers)
+        ]
+        self.pooler = _dense(c.hidden_size, (EMBED, MLP), (MLP,), dtype=dtype)
+        self.mlm = BertMLMHead(c.vocab_size, c.hidden_act, c.layer_norm_eps, dtype)
+
+    def encode(
+        self, input_ids: Array, token_type_ids: Array | None = None,
+        attention_mask: Array | None = None, *, deterministic: bool = True, pool: bool = True,
+    ) -> tuple[Array, Array | None]:
+        """`(last_hidden_state [B, L, E], pooled_output [B, E])`; `pool=False` skips the
+        pooler (None; a checkpoint without one, e.g. transformers' `BertForMaskedLM`)."""
+        if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(
+                f"input_ids: shape {input_ids.shape} dtype {input_ids.dtype}; accepted: int [B, L]"
+            )
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        elif token_type_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"token_type_ids has shape {token_type_ids.shape}; accepted: input_ids' shape "
+                f"{input_ids.shape}"
+            )
+        mask = attention_mask_from(input_ids, attention_mask)
+        x = self.embeddings(input_ids, token_type_ids, deterministic)
+        for layer in self.layers:
+            x = layer(x, mask, deterministic)
+        pooled = jnp.tanh(self.pooler(x[:, 0])) if pool else None
+        return x, pooled
+
+    def mlm_logits(self, hidden: Array) -> Array:
+        """`[B, L, E]` hidden states -> float32 MLM logits `[B, L, V]`."""
+        return self.mlm(hidden, self.embeddings.attend)
+
+    def __call__(
+        self, input_ids: Array, token_type_ids: Array | None = None,
+        attention_mask: Array | None = None, *, deterministic: bool = True, mlm: bool = False,
+        pool: bool = True,
+    ) -> BertOutput:
+        hidden, pooled = self.encode(input_ids, token_type_ids, attention_mask,
+                                     deterministic=deterministic, pool=pool)
+        return BertOutput(hidden, pooled, self.mlm_logits(hidden) if mlm else None)
