@@ -6,7 +6,10 @@ label names ("entailment", "not_entailment", ...), STS-B scores rounded to 0.2 a
 "%.1f" ("3.8"). Rows come from the official GLUE files under `<data_dir>/glue/` or from a
 prepared TFDS copy (`ktx.tasks.config`). MNLI has `validation_matched` and
 `validation_mismatched` splits, and eval-only tasks `glue_mnli_{matched,mismatched}_v002`
-whose `validation` split is the one named.
+whose `validation` (and `test`) split is the one named. Every task has an unlabelled
+`test` split (GLUE's `test.tsv`, MNLI `test_{matched,mismatched}`; targets "<unk>", `idx`
+the file's index) for leaderboard files (`ktx.leaderboard`), and `glue_ax_v002` is the
+diagnostic (test only, MNLI's format and labels).
 
 The text preprocessors here (`t5_glue_text`, `t5_stsb_text`) are reused by the SuperGLUE
 and CS224N tasks.
@@ -37,6 +40,7 @@ __all__ = [
     "GLUE_EVAL_ONLY_TASKS",
     "GLUE_NOPREFIX_TASKS",
     "GLUE_NOPREFIX_EVAL_ONLY_TASKS",
+    "GLUE_DIAGNOSTIC_TASKS",
     "NOPREFIX",
     "noprefix_name",
     "t5_glue_text",
@@ -165,9 +169,12 @@ def _register(prefix: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if task == "mnli":
             for which in ("matched", "mismatched"):
                 split = f"validation_{which}"
+                test = f"test_{which}"
                 eval_layout = dataclasses.replace(
-                    layout, splits={"validation": layout.splits[split]},
-                    tfds_splits={"validation": split})
+                    layout, splits={"validation": layout.splits[split],
+                                    "test": layout.splits[test]},
+                    tfds_splits={"validation": split, "test": test},
+                    split_readers={"test": layout.reader_for(test)})
                 eval_name = f"glue_mnli_{which}_v002"
                 eval_name = eval_name if prefix else noprefix_name(eval_name)
                 register_text_task(eval_name, eval_layout, text, GLUE_METRICS[task], post)
@@ -175,5 +182,19 @@ def _register(prefix: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(train_tasks), tuple(eval_only)
 
 
+def _register_ax(prefix: bool) -> str:
+    """GLUE's diagnostic `glue_ax_v002` (split "test" only): MNLI's format and labels,
+    predicted by an MNLI model for the leaderboard's AX.tsv."""
+    labels = glue_sources.GLUE_LABELS["mnli"]
+    text = functools.partial(t5_glue_text, benchmark_name="mnli", label_names=labels,
+                             prefix=prefix)
+    name = "glue_ax_v002" if prefix else noprefix_name("glue_ax_v002")
+    register_text_task(name, glue_sources.GLUE_AX_LAYOUT, text, GLUE_METRICS["mnli"],
+                       glue_metrics.string_label_to_class_id(labels))
+    return name
+
+
 GLUE_TASKS, GLUE_EVAL_ONLY_TASKS = _register(prefix=True)
 GLUE_NOPREFIX_TASKS, GLUE_NOPREFIX_EVAL_ONLY_TASKS = _register(prefix=False)
+# Test-only diagnostic tasks (not in the GLUE mixtures).
+GLUE_DIAGNOSTIC_TASKS = (_register_ax(prefix=True), _register_ax(prefix=False))

@@ -11,7 +11,10 @@
   and `idx/passage`, `idx/query`; the metric scores every query once.
 * WSC: T5's fixed WSC format, "wsc text: ... * noun * ... # pronoun # ..." -> "True"/"False".
 
-Splits: train, validation, and FewGLUE's train_32shot (Schick & Schuetze, 2021).
+Splits: train, validation, FewGLUE's train_32shot (Schick & Schuetze, 2021), and the
+unlabelled test (`test.jsonl`, targets "<unk>", `idx` kept) for leaderboard files
+(`ktx.leaderboard`); `super_glue_{axb,axg}_v102` are the diagnostics (test only, RTE's
+format and labels).
 
 Every task also has a variant without the task prefix, `super_glue_<task>_noprefix_v102`
 ("premise: ... hypothesis: ...", "text: ...", "query: ..."), for conditioning on the task
@@ -33,6 +36,7 @@ __all__ = [
     "SUPER_GLUE_METRICS",
     "SUPER_GLUE_TASKS",
     "SUPER_GLUE_NOPREFIX_TASKS",
+    "SUPER_GLUE_DIAGNOSTIC_TASKS",
     "t5_wsc_text",
     "t5_record_text",
 ]
@@ -149,5 +153,23 @@ def _register(prefix: bool) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _register_ax(prefix: bool) -> tuple[str, ...]:
+    """The diagnostics `super_glue_axb_v102`, `super_glue_axg_v102` (split "test" only):
+    RTE's format and labels, predicted by an RTE model for the leaderboard's AX-b/AX-g."""
+    labels = glue_sources.SUPER_GLUE_LABELS["rte"]
+    text = functools.partial(glue.t5_glue_text, benchmark_name="rte", label_names=labels,
+                             prefix=prefix)
+    names = []
+    for task, layout in glue_sources.SUPER_GLUE_AX_LAYOUTS.items():
+        name = f"super_glue_{task}_v102"
+        name = name if prefix else glue.noprefix_name(name)
+        glue.register_text_task(name, layout, text, SUPER_GLUE_METRICS["rte"],
+                                glue_metrics.string_label_to_class_id(labels))
+        names.append(name)
+    return tuple(names)
+
+
 SUPER_GLUE_TASKS = _register(prefix=True)
 SUPER_GLUE_NOPREFIX_TASKS = _register(prefix=False)
+# Test-only diagnostic tasks (not in the SuperGLUE mixtures).
+SUPER_GLUE_DIAGNOSTIC_TASKS = _register_ax(prefix=True) + _register_ax(prefix=False)

@@ -38,6 +38,8 @@ __all__ = [
     "Layout",
     "GLUE_LAYOUTS",
     "SUPER_GLUE_LAYOUTS",
+    "GLUE_AX_LAYOUT",
+    "SUPER_GLUE_AX_LAYOUTS",
     "CS224N_LAYOUTS",
     "GLUE_LABELS",
     "SUPER_GLUE_LABELS",
@@ -167,6 +169,23 @@ def _read_stsb(path, counter):
     return rows
 
 
+def _read_stsb_test(path, counter):
+    """STS-B's test split: `test_with_labels.tsv` (scored) or GLUE's unlabelled `test.tsv`
+    (no `score` column: label -1.0); `idx` is the file's `index` column."""
+    rows = []
+    for line, r in files.read_tsv(path, header=True, counter=counter):
+        if "index" not in r or "sentence1" not in r or "sentence2" not in r:
+            raise files.DataFileError(
+                f"{path}:1: header {list(r)} lacks 'index', 'sentence1' or 'sentence2'; "
+                "expected GLUE's STS-B test layout")
+        idx = _int(counter, line, r["index"], "index")
+        score = _float(counter, line, r["score"], "score", 0.0, 5.0) if "score" in r else -1.0
+        if idx is not None and score is not None:
+            rows.append({"sentence1": r["sentence1"], "sentence2": r["sentence2"],
+                         "label": np.float32(score), "idx": idx})
+    return rows
+
+
 def _read_mnli(path, counter):
     labels = {n: i for i, n in enumerate(GLUE_LABELS["mnli"])}
     rows = []
@@ -183,6 +202,26 @@ def _read_mnli(path, counter):
 
 def _names(task):
     return {n: i for i, n in enumerate(GLUE_LABELS[task])}
+
+
+def _glue_test(columns: Mapping[str, str], label: Any = -1) -> Reader:
+    """Reader of an unlabelled GLUE test file (`index` or QQP's `id` column, no label):
+    rows {out: row[column] for columns} with `label` -1 and `idx` the file's index."""
+    def read(path, counter):
+        rows = []
+        for line, r in files.read_tsv(path, header=True, counter=counter):
+            key = "index" if "index" in r else "id"
+            missing = [c for c in (key, *columns.values()) if c not in r]
+            if missing:
+                raise files.DataFileError(
+                    f"{path}:1: header {list(r)} lacks columns {missing}; expected an "
+                    f"unlabelled GLUE test file with 'index' (QQP: 'id') and {list(columns.values())}")
+            idx = _int(counter, line, r[key], key)
+            if idx is not None:
+                rows.append({**{out: r[c] for out, c in columns.items()}, "label": label,
+                             "idx": idx})
+        return rows
+    return read
 
 
 _MRPC_HEADER = ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String")
@@ -205,6 +244,26 @@ def _jsonl(required: Sequence[str], convert: Callable[[Any, int, Row], Row | Non
 
 def _sg_classes(task):
     return {n: i for i, n in enumerate(SUPER_GLUE_LABELS[task])}
+
+
+def _unlabelled(convert: Callable[[Any, int, Row], Row | None], placeholder: Any):
+    """`convert` for a test file: a row without "label" is converted with `placeholder` (a
+    valid label) and gets label -1; a row with one (the public AX-b/AX-g files) keeps it."""
+    def wrapped(counter, line, r):
+        if "label" in r:
+            return convert(counter, line, r)
+        row = convert(counter, line, {**r, "label": placeholder})
+        if row is not None:
+            row["label"] = -1
+        return row
+    return wrapped
+
+
+def _rekey(convert, key_map: Mapping[str, str]):
+    """`convert` over a row whose fields `key_map` renames (AX-b's sentence1/2)."""
+    def wrapped(counter, line, r):
+        return convert(counter, line, {key_map.get(k, k): v for k, v in r.items()})
+    return wrapped
 
 
 def _boolq(counter, line, r):
@@ -297,8 +356,9 @@ def _wsc(counter, line, r):
             "label": label}
 
 
-def _read_multirc(path, counter):
-    """One row per (paragraph, question, answer), as TFDS `super_glue/multirc`."""
+def _read_multirc(path, counter, labelled: bool = True):
+    """One row per (paragraph, question, answer), as TFDS `super_glue/multirc`; with
+    `labelled=False` (test files) an answer without "label" gets -1."""
     rows = []
     for line, r in files.read_jsonl(path, required=("idx", "passage"), counter=counter):
         passage = r["passage"]
@@ -310,8 +370,8 @@ def _read_multirc(path, counter):
         try:
             for q in passage["questions"]:
                 for a in q["answers"]:
-                    label = a.get("label")
-                    if label not in (0, 1, True, False):
+                    label = a.get("label", None if labelled else -1)
+                    if label not in (0, 1, True, False) and (labelled or label != -1):
                         raise ValueError(f"answer {a.get('idx')!r} has label {label!r}; "
                                          "accepted: 0, 1, true, false")
                     found.append({
@@ -325,6 +385,10 @@ def _read_multirc(path, counter):
             continue
         rows.extend(found)
     return rows
+
+
+def _read_multirc_test(path, counter):
+    return _read_multirc(path, counter, labelled=False)
 
 
 def _read_record(path, counter):
@@ -406,6 +470,8 @@ class Layout:
       how_to_obtain: appended to a missing-file error.
       tfds_name: the TFDS data set ("glue/cola:2.0.0"), or None.
       tfds_splits: split name -> TFDS split name, for the splits TFDS has with labels.
+      split_readers: split name -> reader used instead of `reader` for that split (the
+        unlabelled test files, whose columns differ).
     """
 
     folder: str
@@ -414,6 +480,11 @@ class Layout:
     how_to_obtain: str
     tfds_name: str | None = None
     tfds_splits: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    split_readers: Mapping[str, Reader] = dataclasses.field(default_factory=dict)
+
+    def reader_for(self, split: str) -> Reader:
+        """The reader of `split`'s file."""
+        return self.split_readers.get(split, self.reader)
 
 
 _GLUE_HOW = ("download the GLUE data (https://gluebenchmark.com/tasks, or the "
@@ -428,56 +499,108 @@ _CS_HOW = ("copy the CS224N default final project data files (ids-sst-*, quora-*
            "into <data_dir>/cs224n/")
 
 
-def _glue(folder, reader, tfds, splits=None, tfds_splits=None, how=_GLUE_HOW):
-    splits = splits or {"train": ("train.tsv",), "validation": ("dev.tsv",)}
+def _glue(folder, reader, tfds, splits=None, tfds_splits=None, how=_GLUE_HOW, test=None):
+    """A GLUE layout; `test`: the reader of the unlabelled `test.tsv` (split "test")."""
+    splits = dict(splits or {"train": ("train.tsv",), "validation": ("dev.tsv",)})
+    split_readers = {}
+    if test is not None:
+        splits.setdefault("test", ("test.tsv",))
+        split_readers["test"] = test
     tfds_splits = tfds_splits or {s: s for s in splits}
-    return Layout(f"glue/{folder}", splits, reader, how, f"glue/{tfds}:2.0.0", tfds_splits)
+    return Layout(f"glue/{folder}", splits, reader, how, f"glue/{tfds}:2.0.0", tfds_splits,
+                  split_readers)
 
+
+_PAIR = {"sentence1": "sentence1", "sentence2": "sentence2"}
+_NLI_TEST = _glue_test({"premise": "sentence1", "hypothesis": "sentence2"})
 
 GLUE_LAYOUTS: dict[str, Layout] = {
-    "cola": _glue("CoLA", _read_cola, "cola"),
-    "sst2": _glue("SST-2", _read_sst2, "sst2"),
+    "cola": _glue("CoLA", _read_cola, "cola", test=_glue_test({"sentence": "sentence"})),
+    "sst2": _glue("SST-2", _read_sst2, "sst2", test=_glue_test({"sentence": "sentence"})),
     "mrpc": _glue(
         "MRPC", _glue_pair("#1 String", "#2 String", "Quality", {"0": 0, "1": 1}, _MRPC_HEADER),
         "mrpc",
         splits={"train": ("train.tsv", "msr_paraphrase_train.txt"),
                 "validation": ("dev.tsv", "msr_paraphrase_test.txt")},
-        how=_MRPC_HOW),
+        how=_MRPC_HOW,
+        test=_glue_test({"sentence1": "#1 String", "sentence2": "#2 String"})),
     "qqp": _glue("QQP", _glue_pair("question1", "question2", "is_duplicate", {"0": 0, "1": 1},
-                                   out=("question1", "question2")), "qqp"),
+                                   out=("question1", "question2")), "qqp",
+                 test=_glue_test({"question1": "question1", "question2": "question2"})),
+    # "test": GLUE's test_with_labels.tsv when present (scored), else the unlabelled test.tsv.
     "stsb": _glue("STS-B", _read_stsb, "stsb",
                   splits={"train": ("train.tsv",), "validation": ("dev.tsv",),
-                          "test": ("test_with_labels.tsv",)},
-                  tfds_splits={"train": "train", "validation": "validation"}),
-    "mnli": _glue("MNLI", _read_mnli, "mnli",
-                  splits={"train": ("train.tsv",),
-                          "validation_matched": ("dev_matched.tsv",),
-                          "validation_mismatched": ("dev_mismatched.tsv",)}),
+                          "test": ("test_with_labels.tsv", "test.tsv")},
+                  tfds_splits={"train": "train", "validation": "validation"},
+                  test=_read_stsb_test),
+    "mnli": dataclasses.replace(
+        _glue("MNLI", _read_mnli, "mnli",
+              splits={"train": ("train.tsv",),
+                      "validation_matched": ("dev_matched.tsv",),
+                      "validation_mismatched": ("dev_mismatched.tsv",),
+                      "test_matched": ("test_matched.tsv",),
+                      "test_mismatched": ("test_mismatched.tsv",)}),
+        split_readers={"test_matched": _NLI_TEST, "test_mismatched": _NLI_TEST}),
     "qnli": _glue("QNLI", _glue_pair("question", "sentence", "label", _names("qnli"),
-                                     out=("question", "sentence")), "qnli"),
-    "rte": _glue("RTE", _glue_pair("sentence1", "sentence2", "label", _names("rte")), "rte"),
+                                     out=("question", "sentence")), "qnli",
+                  test=_glue_test({"question": "question", "sentence": "sentence"})),
+    "rte": _glue("RTE", _glue_pair("sentence1", "sentence2", "label", _names("rte")), "rte",
+                 test=_glue_test(_PAIR)),
     "wnli": _glue("WNLI", _glue_pair("sentence1", "sentence2", "label", {"0": 0, "1": 1}),
-                  "wnli"),
+                  "wnli", test=_glue_test(_PAIR)),
 }
 
+# GLUE's diagnostic (AX), test only, scored by the submission server with MNLI's labels:
+# glue/diagnostic/diagnostic.tsv as download_glue_data.py writes it (index, sentence1,
+# sentence2), or TFDS glue/ax.
+GLUE_AX_LAYOUT = Layout("glue/diagnostic", {"test": ("diagnostic.tsv", "AX.tsv")}, _NLI_TEST,
+                        _GLUE_HOW, "glue/ax:2.0.0", {"test": "test"})
 
-def _sg(folder, reader, tfds):
-    splits = {"train": ("train.jsonl",), "validation": ("val.jsonl",),
-              "train_32shot": ("train_32shot.jsonl",)}
+
+def _sg(folder, reader, tfds, test=None, splits=None):
+    """A SuperGLUE layout; `test`: the reader of the unlabelled `test.jsonl` (split "test")."""
+    splits = dict(splits or {"train": ("train.jsonl",), "validation": ("val.jsonl",),
+                             "train_32shot": ("train_32shot.jsonl",), "test": ("test.jsonl",)})
     return Layout(f"super_glue/{folder}", splits, reader, _SG_HOW,
-                  f"super_glue/{tfds}:1.0.2", {"train": "train", "validation": "validation"})
+                  f"super_glue/{tfds}:1.0.2",
+                  {s: s for s in ("train", "validation", "test") if s in splits},
+                  {"test": test} if test is not None else {})
 
+
+def _sg_task(required, convert, placeholder):
+    """(labelled reader, unlabelled test reader) of a one-row-per-line SuperGLUE task."""
+    test_required = tuple(k for k in required if k != "label")
+    return (_jsonl(required, convert),
+            _jsonl(test_required, _unlabelled(convert, placeholder)))
+
+
+_BOOLQ = _sg_task(("question", "passage", "label"), _boolq, False)
+_CB = _sg_task(("premise", "hypothesis", "label"), _nli("cb"), "entailment")
+_COPA = _sg_task(("premise", "choice1", "choice2", "question", "label"), _copa, 0)
+_RTE = _sg_task(("premise", "hypothesis", "label"), _nli("rte"), "entailment")
+_WIC = _sg_task(("word", "sentence1", "sentence2", "label"), _wic, False)
+_WSC = _sg_task(("text", "target", "label"), _wsc, False)
+_AXB = _jsonl(("sentence1", "sentence2"),
+              _rekey(_unlabelled(_nli("rte"), "entailment"),
+                     {"sentence1": "premise", "sentence2": "hypothesis"}))
 
 SUPER_GLUE_LAYOUTS: dict[str, Layout] = {
-    "boolq": _sg("BoolQ", _jsonl(("question", "passage", "label"), _boolq), "boolq"),
-    "cb": _sg("CB", _jsonl(("premise", "hypothesis", "label"), _nli("cb")), "cb"),
-    "copa": _sg("COPA", _jsonl(("premise", "choice1", "choice2", "question", "label"), _copa),
-                "copa"),
-    "multirc": _sg("MultiRC", _read_multirc, "multirc"),
+    "boolq": _sg("BoolQ", _BOOLQ[0], "boolq", _BOOLQ[1]),
+    "cb": _sg("CB", _CB[0], "cb", _CB[1]),
+    "copa": _sg("COPA", _COPA[0], "copa", _COPA[1]),
+    "multirc": _sg("MultiRC", _read_multirc, "multirc", _read_multirc_test),
     "record": _sg("ReCoRD", _read_record, "record"),
-    "rte": _sg("RTE", _jsonl(("premise", "hypothesis", "label"), _nli("rte")), "rte"),
-    "wic": _sg("WiC", _jsonl(("word", "sentence1", "sentence2", "label"), _wic), "wic"),
-    "wsc": _sg("WSC", _jsonl(("text", "target", "label"), _wsc), "wsc.fixed"),
+    "rte": _sg("RTE", _RTE[0], "rte", _RTE[1]),
+    "wic": _sg("WiC", _WIC[0], "wic", _WIC[1]),
+    "wsc": _sg("WSC", _WSC[0], "wsc.fixed", _WSC[1]),
+}
+
+# SuperGLUE's diagnostics, test only, predicted with RTE's model: AX-b (broad coverage,
+# sentence1/sentence2) and AX-g (Winogender, premise/hypothesis), as SuperGLUE ships them
+# (their public files carry labels, kept when present).
+SUPER_GLUE_AX_LAYOUTS: dict[str, Layout] = {
+    "axb": _sg("AX-b", _AXB, "axb", splits={"test": ("AX-b.jsonl", "test.jsonl")}),
+    "axg": _sg("AX-g", _RTE[1], "axg", splits={"test": ("AX-g.jsonl", "test.jsonl")}),
 }
 
 CS224N_LAYOUTS: dict[str, Layout] = {
@@ -532,7 +655,8 @@ def read_rows(layout: Layout, split: str, data_dir: str | os.PathLike,
         raise ValueError(f"on_bad_row={on_bad_row!r}; accepted: {files.BAD_ROW_POLICIES}")
     path = _locate(layout, split, pathlib.Path(data_dir))
     stat = path.stat()
-    return _read_cached(layout.reader, str(path), stat.st_mtime_ns, stat.st_size, on_bad_row)
+    return _read_cached(layout.reader_for(split), str(path), stat.st_mtime_ns, stat.st_size,
+                        on_bad_row)
 
 
 def _columns(rows: Sequence[Row]) -> dict[str, Any]:
