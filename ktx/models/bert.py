@@ -65,6 +65,7 @@ __all__ = [
     "HIDDEN_ACTS",
     "BertConfig",
     "BertOutput",
+    "DenseGeneral",
     "BertEmbeddings",
     "BertAttention",
     "BertLayer",
@@ -155,12 +156,43 @@ class BertOutput(NamedTuple):
 _kernel_init = nn.initializers.normal(stddev=0.02)  # BERT's initializer_range
 
 
+class DenseGeneral(nn.Module):
+    """Dense layer with bias contracting the trailing `axis` dims of the input with a
+    multi-axis kernel: `[..., *in_shape]` -> `[..., *features]`; kernel
+    `[*in_shape, *features]` (axes `kernel_axes`), bias `[*features]` (axes `bias_axes`),
+    both float32; computed in `dtype`."""
+
+    features: tuple[int, ...]
+    kernel_axes: tuple[str | None, ...]
+    bias_axes: tuple[str | None, ...]
+    axis: tuple[int, ...] = (-1,)
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        axis = tuple(sorted(a % x.ndim for a in self.axis))
+        if axis != tuple(range(x.ndim - len(axis), x.ndim)):
+            raise ValueError(f"DenseGeneral.axis={self.axis}: must be the trailing axes")
+        in_shape = tuple(x.shape[a] for a in axis)
+        features = tuple(self.features)
+        n_in, n_out = math.prod(in_shape), math.prod(features)
+
+        def kernel_init(key, shape, dtype=jnp.float32):
+            return _kernel_init(key, (n_in, n_out), dtype).reshape(shape)
+
+        kernel = self.param("kernel", nn.with_logical_partitioning(kernel_init, self.kernel_axes),
+                            in_shape + features, jnp.float32)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
+                          features, jnp.float32)
+        y = jax.lax.dot_general(jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype),
+                                ((axis, tuple(range(len(axis)))), ((), ())))
+        return y + jnp.asarray(bias, self.dtype)
+
+
 def _dense(features, kernel_axes, bias_axes, *, axis=-1, dtype=jnp.float32, name=None):
-    return nn.DenseGeneral(
-        features=features, axis=axis, dtype=dtype, param_dtype=jnp.float32, name=name,
-        kernel_init=nn.with_logical_partitioning(_kernel_init, kernel_axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
-    )
+    features = (features,) if isinstance(features, int) else tuple(features)
+    axis = (axis,) if isinstance(axis, int) else tuple(axis)
+    return DenseGeneral(features, tuple(kernel_axes), tuple(bias_axes), axis, dtype, name=name)
 
 
 def _layer_norm(eps: float, dtype: Dtype, name: str) -> nn.LayerNorm:

@@ -1,0 +1,246 @@
+"""`EncoderClassifierModel`: a BERT encoder with one classification / regression head per
+task, and its per-task loss (`ktx.models.base.BaseModel`).
+
+Head of task `t` (`BertClassifier`, parameters `task_heads/task_<t>/{kernel [E, n_t],
+bias [n_t]}`): `logits = dense_t(dropout(pooled))`, `pooled = tanh(pooler(h[:, 0]))` the
+[CLS] pooled output (transformers' `BertForSequenceClassification`). Loss of row `b` of
+task `t = task_id[b]`:
+
+    n_t >= 2 (classification):  -log softmax(logits_t)[label_b]   (label cast to int)
+    n_t == 1 (regression):      (logits_t[0] - label_b)^2          (label float32)
+
+Features: `input_ids`, `token_type_ids` (default 0), `attention_mask` (default
+`input_ids > 0`), `label` `[B]` float32, `task_id` `[B]`. A row's weight is 1 when it has
+at least one attended token, 0 for an all-padding row (eval padding); `task_weights` are
+the per-task row counts. Aux `[T]` sums: `loss`, `accuracy` (correct rows of
+classification tasks; 0 for regression), `squared_error` (regression tasks; 0 for
+classification), `weight`.
+
+Dropout is drawn per example (`ktx.models.base.row_keys`, a per-row vmap as
+`EncoderDecoderModel`), so task blocks and microbatches reproduce the whole batch's masks.
+Labels outside `[0, n_t)` of a classification task cannot be checked under jit: they are
+clipped; validate them in the task's preprocessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ktx.models import bert
+from ktx.models.base import LOSS_NORMALIZATIONS, Batch, BaseModel, row_keys, segment_sum_by_task
+from ktx.partitioning import EMBED
+
+__all__ = ["TASK_HEADS_SCOPE", "TaskHeads", "BertClassifier", "EncoderClassifierModel"]
+
+TASK_HEADS_SCOPE = "task_heads"
+_FEATURES = ("input_ids", "token_type_ids", "attention_mask")
+_REQUIRED = ("input_ids", "label", "task_id")
+
+
+class TaskHeads(nn.Module):
+    """One linear head per task: `[B, E]` -> a tuple of `[B, n_t]` float32 logits."""
+
+    num_labels: tuple[int, ...]
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(
+            jnp.asarray(bert.DenseGeneral((n,), (EMBED, None), (None,), dtype=self.dtype,
+                                          name=f"task_{t}")(x), jnp.float32)
+            for t, n in enumerate(self.num_labels)
+        )
+
+
+class BertClassifier(bert.BertEncoder):
+    """`BertEncoder` plus per-task heads on the dropped-out pooled output.
+
+    `__call__(input_ids, token_type_ids, attention_mask, *, deterministic)` -> a tuple of
+    `T` float32 logits `[B, n_t]`. The backbone's parameters sit at the root, as in
+    `BertEncoder`, so a converted BERT checkpoint loads without renaming.
+    """
+
+    num_labels: tuple[int, ...] = (2,)
+    classifier_dropout: float = 0.1
+
+    def setup(self):
+        super().setup()
+        self.head_dropout = nn.Dropout(self.classifier_dropout)
+        self.task_heads = TaskHeads(tuple(self.num_labels), self.config.activation_dtype)
+
+    def __call__(self, input_ids, token_type_ids=None, attention_mask=None, *,
+                 deterministic: bool = True):
+        _, pooled = self.encode(input_ids, token_type_ids, attention_mask,
+                                deterministic=deterministic)
+        return self.task_heads(self.head_dropout(pooled, deterministic=deterministic))
+
+
+class EncoderClassifierModel(BaseModel):
+    """BERT with one classification (or regression: `num_labels[t] == 1`) head per task.
+
+    Args:
+      config: the encoder's `bert.BertConfig`.
+      num_labels: labels of each task's head (one int per task; `T = len(num_labels)`);
+        1 = regression with squared error.
+      num_tasks: optional check: must equal `len(num_labels)` (gin files bind both).
+      classifier_dropout: dropout on the pooled output before the heads (default: the
+        config's `dropout_rate`, as transformers).
+      loss_normalization: "global" (mean over all rows of the batch) or "per_task".
+    """
+
+    def __init__(
+        self,
+        config: bert.BertConfig | None = None,
+        *,
+        num_labels: Sequence[int] = (2,),
+        num_tasks: int | None = None,
+        classifier_dropout: float | None = None,
+        loss_normalization: str = "global",
+    ):
+        config = bert.BertConfig() if config is None else config
+        if not isinstance(config, bert.BertConfig):
+            raise TypeError(
+                f"EncoderClassifierModel.config must be a bert.BertConfig, got {type(config).__name__}")
+        if isinstance(num_labels, (str, bytes)) or not isinstance(num_labels, Sequence) \
+                or not num_labels or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                         for n in num_labels):
+            raise ValueError(
+                f"EncoderClassifierModel.num_labels={num_labels!r}: accepted: a non-empty "
+                "sequence of ints >= 1, one per task (1 = regression)")
+        if num_tasks is not None and num_tasks != len(num_labels):
+            raise ValueError(
+                f"EncoderClassifierModel.num_tasks={num_tasks!r} but num_labels={tuple(num_labels)} "
+                f"has {len(num_labels)} entries; give one num_labels entry per task")
+        if classifier_dropout is None:
+            classifier_dropout = config.dropout_rate
+        if isinstance(classifier_dropout, bool) or not isinstance(classifier_dropout, (int, float)) \
+                or not 0.0 <= classifier_dropout < 1.0:
+            raise ValueError(
+                f"EncoderClassifierModel.classifier_dropout={classifier_dropout!r}: must be in [0, 1)")
+        if loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(
+                f"EncoderClassifierModel.loss_normalization={loss_normalization!r}; accepted: "
+                f"{LOSS_NORMALIZATIONS}")
+        self.config = config
+        self.num_labels = tuple(int(n) for n in num_labels)
+        self.num_tasks = len(self.num_labels)
+        self.classifier_dropout = float(classifier_dropout)
+        self.loss_normalization = loss_normalization
+        self.module = BertClassifier(
+            config=config, num_labels=self.num_labels, classifier_dropout=self.classifier_dropout)
+
+    def __repr__(self) -> str:
+        return (f"EncoderClassifierModel(config={self.config}, num_labels={self.num_labels}, "
+                f"classifier_dropout={self.classifier_dropout}, "
+                f"loss_normalization={self.loss_normalization!r})")
+
+    # ---------------------------------------------------------------- inputs
+
+    @staticmethod
+    def _check_batch(batch: Batch, required: tuple[str, ...] = _REQUIRED) -> None:
+        missing = [k for k in required if k not in batch]
+        if missing:
+            raise ValueError(
+                f"batch is missing features {missing}; it has {sorted(batch)}; an encoder "
+                f"classification batch needs {list(_REQUIRED)} (+ optional token_type_ids, "
+                "attention_mask)")
+
+    def input_spec(
+        self, batch_size: int, feature_lengths: Mapping[str, int]
+    ) -> dict[str, jax.ShapeDtypeStruct]:
+        """Features of a batch; the sequence length is `feature_lengths["inputs"]`
+        (T5X's key, as the seq2seq model; other keys are ignored)."""
+        value = feature_lengths.get("inputs") if isinstance(feature_lengths, Mapping) else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"feature_lengths['inputs']={value!r} (in {feature_lengths!r}): a positive int "
+                "is required")
+        if value > self.config.max_position:
+            raise ValueError(
+                f"feature_lengths['inputs']={value} exceeds BertConfig.max_position="
+                f"{self.config.max_position}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
+        i32 = jnp.int32
+        return {
+            **{k: jax.ShapeDtypeStruct((batch_size, value), i32) for k in _FEATURES},
+            "label": jax.ShapeDtypeStruct((batch_size,), jnp.float32),
+            "task_id": jax.ShapeDtypeStruct((batch_size,), i32),
+        }
+
+    def init_variables(self, rng: jax.Array, batch: Batch) -> Any:
+        """Variables (`{"params": ...}`, boxed with logical axes) for `batch`'s shapes."""
+        ids = jnp.zeros(batch["input_ids"].shape, jnp.int32)
+        return self.module.init(rng, ids, ids, jnp.ones_like(ids), deterministic=True)
+
+    # ---------------------------------------------------------------- loss
+
+    def logits(self, params: Any, batch: Batch, rng: jax.Array | None = None,
+               train: bool = False) -> tuple[jax.Array, ...]:
+        """`T` float32 logits `[B, n_t]` (every head on every row)."""
+        self._check_batch(batch, ("input_ids",))
+        features = {k: jnp.asarray(batch[k], jnp.int32) for k in _FEATURES if k in batch}
+        dropout = train and (self.config.dropout_rate > 0 or self.config.attention_dropout_rate > 0
+                             or self.classifier_dropout > 0)
+        if not dropout:
+            return self.module.apply({"params": params}, **features, deterministic=True)
+        if rng is None:
+            raise ValueError("train=True with dropout needs an rng")
+
+        # Dropout keyed per example: row i's masks depend on (rng, row id) only.
+        def one(row, key):
+            row = {k: v[None] for k, v in row.items()}
+            out = self.module.apply({"params": params}, **row, deterministic=False,
+                                    rngs={"dropout": key})
+            return tuple(o[0] for o in out)
+
+        return jax.vmap(one)(features, row_keys(rng, batch))
+
+    def _row_weights(self, batch: Batch) -> jax.Array:
+        mask = bert.attention_mask_from(jnp.asarray(batch["input_ids"]),
+                                        None if "attention_mask" not in batch
+                                        else jnp.asarray(batch["attention_mask"]))
+        return mask.any(axis=-1).astype(jnp.float32)
+
+    def task_weights(self, batch: Batch) -> jax.Array:
+        """`[T]` number of (non-padding) rows of each task."""
+        self._check_batch(batch)
+        return segment_sum_by_task(self._row_weights(batch), batch["task_id"], self.num_tasks)
+
+    def loss_sums(
+        self, params: Any, batch: Batch, rng: jax.Array | None, train: bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        self._check_batch(batch)
+        logits = self.logits(params, batch, rng, train)
+        label = jnp.asarray(batch["label"], jnp.float32)
+        task_id = jnp.asarray(batch["task_id"], jnp.int32)
+        weight = self._row_weights(batch)
+        loss = jnp.zeros_like(label)
+        correct = jnp.zeros_like(label)
+        squared = jnp.zeros_like(label)
+        for t, (n, lg) in enumerate(zip(self.num_labels, logits)):
+            mine = task_id == t
+            if n == 1:
+                err = jnp.square(lg[:, 0] - label)
+                loss = jnp.where(mine, err, loss)
+                squared = jnp.where(mine, err, squared)
+            else:
+                target = jnp.clip(label.astype(jnp.int32), 0, n - 1)
+                logp = jax.nn.log_softmax(lg, axis=-1)
+                ce = -jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
+                loss = jnp.where(mine, ce, loss)
+                hit = (jnp.argmax(lg, axis=-1) == target).astype(jnp.float32)
+                correct = jnp.where(mine, hit, correct)
+
+        def by_task(x):
+            return segment_sum_by_task(x * weight, task_id, self.num_tasks)
+
+        sums = by_task(loss)
+        aux = {"loss": sums, "accuracy": by_task(correct), "squared_error": by_task(squared),
+               "weight": by_task(jnp.ones_like(label))}
+        return sums, aux
