@@ -318,9 +318,11 @@ def write_submission(benchmark: str, predictions_by_task: Mapping[str, Sequence[
     for key, (spec, rows, invalid, total) in prepared.items():
         path = out_dir / spec.file_name
         if invalid:
+            what = {"score": "are not finite numbers", "record": "are empty"}.get(
+                spec.kind, f"are outside the label set {sorted(map(str, spec.labels))}")
             warnings.warn(
-                f"{spec.file_name}: {invalid} of {total} predictions are outside the label set {sorted(map(str, spec.labels)) or spec.kind}"
-                f"; written as the default label {spec.default!r}", UserWarning, stacklevel=2)
+                f"{spec.file_name}: {invalid} of {total} predictions {what}; written as the "
+                f"default label {spec.default!r}", UserWarning, stacklevel=2)
         with open(path, "w", encoding="utf-8", newline="") as f:
             if path.suffix == ".tsv":
                 w = csv.writer(f, delimiter="\t", lineterminator="\n")
