@@ -374,12 +374,16 @@ def _load_initial_params_from_source(
     from ktx import convert
     from ktx.params import CONDITIONING_SCOPE
 
-    flat = convert.flatten(convert.load_source(source).params)
+    imported = convert.load_source(source)
+    flat = convert.flatten(imported.params)
+    # Scopes a checkpoint may lack or a model may not use (a BERT's MLM head, pooler, task heads).
+    partial = tuple(getattr(imported, "partial_scopes", ()))
     saved = {k: tuple(v.shape) for k, v in flat.items()}
     expected = _flat_shapes(abstract_params)
     message = _mismatch_message(source, saved, expected, missing_ok=True)
-    missing = [p for p in expected if p not in saved and not p.startswith(CONDITIONING_SCOPE + "/")]
-    unused = sorted(set(saved) - set(expected))
+    missing = [p for p in expected if p not in saved and not p.startswith(CONDITIONING_SCOPE + "/")
+               and p.split("/")[0] not in partial]
+    unused = sorted(p for p in set(saved) - set(expected) if p.split("/")[0] not in partial)
     if message or missing or unused:
         lines = [message] if message else [f"checkpoint {source} does not match the model:"]
         lines += [f"  {p}: model {expected[p]}, missing in checkpoint" for p in missing]

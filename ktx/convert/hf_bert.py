@@ -51,6 +51,9 @@ __all__ = [
     "MODEL_TYPES",
     "PARTIAL_SCOPES",
     "bert_config_from_hf",
+    "check_params",
+    "config_to_dict",
+    "model_gin",
     "expected_shapes",
     "hf_bert_tensor_names",
     "is_hf_bert",
@@ -260,3 +263,64 @@ def read_hf_bert(path: str | os.PathLike) -> BertImported:
             a = np.asarray(tensors[name], np.float32)
             flat[p] = np.ascontiguousarray((a.T if transpose else a).reshape(shapes[p]))
     return BertImported(config, layout.unflatten(flat), f"hf:{path}")
+
+
+def config_to_dict(config: BertConfig) -> dict[str, Any]:
+    """JSON-able fields of a `BertConfig`."""
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+def check_params(flat: Mapping[str, Any], config: BertConfig, *, where: str) -> None:
+    """ValueError naming every parameter of `flat` (`{path: array}`) that `BertEncoder(config)`
+    lacks, misses (the optional pooler / MLM head aside) or has with another shape."""
+    shapes = expected_shapes(config)
+    lines = [f"  {p}: shape {list(np.shape(v))}, expected {list(shapes[p])}"
+             for p, v in flat.items() if p in shapes and tuple(np.shape(v)) != shapes[p]]
+    lines += [f"  {p}: not a parameter of BertEncoder" for p in flat if p not in shapes]
+    lines += [f"  {p}: missing (shape {list(s)})" for p, s in shapes.items()
+              if p not in flat and p.split("/")[0] not in PARTIAL_SCOPES]
+    if lines:
+        raise ValueError(f"{where}: the parameters do not match {config}:\n" + "\n".join(lines))
+
+
+def model_gin(config: BertConfig, source: str = "") -> str:
+    """A gin model file (the layout of gin/models/bert_base.gin) binding MODEL to an
+    `EncoderClassifierModel` of `config`'s shape."""
+    return f"""# ktx BERT encoder matching {source or 'an imported checkpoint'} (written by `ktx import`).
+# Binds MODEL; include it as a model file, then start a run from the parameters with
+#   --gin.INITIAL_CHECKPOINT_PATH="'<this directory>'"
+# (the task heads, and a pooler the checkpoint lacks, start from their initializers).
+from __gin__ import dynamic_registration
+import ktx.models.bert as bert
+import ktx.models.encoder as encoder
+
+NUM_TASKS = 1
+NUM_LABELS = 2  # every task's head (1 = regression); or bind num_labels to a tuple
+VOCAB_SIZE = {config.vocab_size}  # the checkpoint's vocabulary: the tasks must use the same one
+DROPOUT_RATE = {float(config.dropout_rate)!r}  # the checkpoint config's rate
+ACTIVATION_DTYPE = {config.dtype!r}  # 'bfloat16' trains faster; parameters stay float32
+LOSS_NORMALIZATION = 'global'
+
+MODEL = @encoder.EncoderClassifierModel()
+encoder.EncoderClassifierModel:
+  config = @bert.BertConfig()
+  num_tasks = %NUM_TASKS
+  num_labels = %NUM_LABELS
+  loss_normalization = %LOSS_NORMALIZATION
+
+bert.BertConfig:
+  vocab_size = %VOCAB_SIZE
+  hidden_size = {config.hidden_size}
+  num_layers = {config.num_layers}
+  num_heads = {config.num_heads}
+  intermediate_size = {config.intermediate_size}
+  max_position = {config.max_position}
+  type_vocab_size = {config.type_vocab_size}
+  hidden_act = {config.hidden_act!r}
+  layer_norm_eps = {float(config.layer_norm_eps)!r}
+  dropout_rate = %DROPOUT_RATE
+  attention_dropout_rate = {float(config.attention_dropout_rate)!r}
+  dtype = %ACTIVATION_DTYPE
+"""

@@ -24,6 +24,7 @@ import numpy as np
 
 from ktx.convert import layout
 from ktx.convert.atomic import atomic_directory
+from ktx.convert.hf_bert import is_hf_bert, read_hf_bert
 from ktx.convert.hf_t5 import Imported, read_hf_t5, write_hf_t5
 from ktx.convert.t5x import read_t5x
 from ktx.models.t5 import T5Config
@@ -54,7 +55,8 @@ def is_source(path: Any) -> bool:
 
 
 def load_source(source: str | os.PathLike) -> Imported:
-    """Reads `hf:DIR` (Hugging Face T5 directory) or `t5x:DIR` (T5X checkpoint)."""
+    """Reads `hf:DIR` (Hugging Face T5 or, by config.json's `model_type`, BERT directory:
+    `ktx.convert.hf_bert.BertImported`) or `t5x:DIR` (T5X checkpoint)."""
     prefix, path = _split(source)
     if prefix is None:
         raise ValueError(
@@ -63,6 +65,8 @@ def load_source(source: str | os.PathLike) -> Imported:
         )
     if not path:
         raise ValueError(f"checkpoint source {os.fspath(source)!r} names no directory")
+    if prefix == "hf" and is_hf_bert(path):  # config.json's model_type picks the reader
+        return read_hf_bert(path)
     return read_hf_t5(path) if prefix == "hf" else read_t5x(path)
 
 
@@ -114,21 +118,26 @@ t5.T5Config:
 
 
 def write_ktx_checkpoint(
-    params: Mapping[str, Any], config: T5Config, out: str | os.PathLike, *, source: str = ""
+    params: Mapping[str, Any], config: Any, out: str | os.PathLike, *, source: str = ""
 ) -> pathlib.Path:
-    """Writes `params` (checked against `config`) as a ktx checkpoint directory (step 0,
-    `model.gin`); all or nothing (`out` must be new or empty)."""
+    """Writes `params` (checked against `config`, a `T5Config` or `BertConfig`) as a ktx
+    checkpoint directory (step 0, `model.gin`); all or nothing (`out` must be new or empty)."""
     from ktx.checkpoints import CheckpointManager
+    from ktx.convert import hf_bert
     from ktx.trainer import TrainState
 
     flat = {k: np.asarray(v, np.float32) for k, v in layout.flatten(params).items()}
-    layout.check_params(flat, config, where=source or "the parameters")
+    if isinstance(config, hf_bert.BertConfig):
+        hf_bert.check_params(flat, config, where=source or "the parameters")
+        gin_text, meta = hf_bert.model_gin(config, source), {"bert_config": hf_bert.config_to_dict(config)}
+    else:
+        layout.check_params(flat, config, where=source or "the parameters")
+        gin_text, meta = model_gin(config, source), {"t5_config": layout.config_to_dict(config)}
     with atomic_directory(out) as tmp:
-        (tmp / "model.gin").write_text(model_gin(config, source))
+        (tmp / "model.gin").write_text(gin_text)
         manager = CheckpointManager(tmp, save_period=1)
         state = TrainState(step=np.int32(0), params=layout.unflatten(flat), opt_state=())
-        manager.save(state, force=True, meta={
-            "source": source, "t5_config": layout.config_to_dict(config)})
+        manager.save(state, force=True, meta={"source": source, **meta})
         manager.close()
     return pathlib.Path(out).expanduser().absolute()
 

@@ -85,9 +85,10 @@ class EncoderClassifierModel(BaseModel):
 
     Args:
       config: the encoder's `bert.BertConfig`.
-      num_labels: labels of each task's head (one int per task; `T = len(num_labels)`);
-        1 = regression with squared error.
-      num_tasks: optional check: must equal `len(num_labels)` (gin files bind both).
+      num_labels: labels of each task's head: one int per task (`T = len(num_labels)`),
+        or one int shared by all `num_tasks` tasks; 1 = regression with squared error.
+      num_tasks: the number of tasks `T`; with a sequence `num_labels` it must equal its
+        length (gin files bind both; default: its length), with an int it is required.
       classifier_dropout: dropout on the pooled output before the heads (default: the
         config's `dropout_rate`, as transformers).
       loss_normalization: "global" (mean over all rows of the batch) or "per_task".
@@ -97,7 +98,7 @@ class EncoderClassifierModel(BaseModel):
         self,
         config: bert.BertConfig | None = None,
         *,
-        num_labels: Sequence[int] = (2,),
+        num_labels: int | Sequence[int] = (2,),
         num_tasks: int | None = None,
         classifier_dropout: float | None = None,
         loss_normalization: str = "global",
@@ -106,12 +107,19 @@ class EncoderClassifierModel(BaseModel):
         if not isinstance(config, bert.BertConfig):
             raise TypeError(
                 f"EncoderClassifierModel.config must be a bert.BertConfig, got {type(config).__name__}")
+        if isinstance(num_labels, int) and not isinstance(num_labels, bool):
+            if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
+                raise ValueError(
+                    f"EncoderClassifierModel.num_tasks={num_tasks!r}: an int >= 1 is required "
+                    f"with a single num_labels={num_labels!r} (one head of that size per task)")
+            num_labels = (num_labels,) * num_tasks
         if isinstance(num_labels, (str, bytes)) or not isinstance(num_labels, Sequence) \
                 or not num_labels or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
                                          for n in num_labels):
             raise ValueError(
                 f"EncoderClassifierModel.num_labels={num_labels!r}: accepted: a non-empty "
-                "sequence of ints >= 1, one per task (1 = regression)")
+                "sequence of ints >= 1, one per task, or one int >= 1 for every task "
+                "(1 = regression)")
         if num_tasks is not None and num_tasks != len(num_labels):
             raise ValueError(
                 f"EncoderClassifierModel.num_tasks={num_tasks!r} but num_labels={tuple(num_labels)} "
