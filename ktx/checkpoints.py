@@ -70,6 +70,29 @@ class CorruptCheckpointError(RuntimeError):
         super().__init__(f"checkpoint step {self.step_dir.name} ({self.step_dir}) is unreadable: {head}")
 
 
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+class _quiet_absl:  # noqa: N801 - a context manager used like a function
+    """Drops absl log records starting with `prefix` inside the block."""
+
+    def __init__(self, prefix: str):
+        self._filter = _DropPrefix(prefix)
+
+    def __enter__(self):
+        logging.getLogger("absl").addFilter(self._filter)
+
+    def __exit__(self, *exc):
+        logging.getLogger("absl").removeFilter(self._filter)
+        return False
+
+
 def _reading(step_dir: pathlib.Path, fn, *args, **kwargs):
     """`fn(*args, **kwargs)`, an orbax/TensorStore read of `step_dir`; any failure but a
     shape mismatch becomes one `CorruptCheckpointError` naming the step and file."""
@@ -138,7 +161,10 @@ def saved_param_shapes(step_dir: str | os.PathLike) -> dict[str, tuple[int, ...]
     step_dir = pathlib.Path(step_dir).expanduser().absolute()
 
     def read():
-        metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
+        # The step-level metadata file lives one folder up (CheckpointManager layout);
+        # orbax's warning that `state/` has none is noise to the user.
+        with _quiet_absl("Metadata file does not exist"):
+            metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
         tree = getattr(metadata, "item_metadata", metadata)
         tree = getattr(tree, "tree", tree)
         return _flat_shapes(tree["params"])
