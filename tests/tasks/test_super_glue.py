@@ -169,5 +169,8 @@ def test_missing_file_names_path_and_source(root):
     with pytest.raises(files.DataFileError,
                        match=r"super_glue/BoolQ/train\.jsonl.*super\.gluebenchmark\.com"):
         formatted("super_glue_boolq_v102", "train")
-    with pytest.raises(ValueError, match="split='test'"):
+    with pytest.raises(ValueError, match="split='dev'"):
+        formatted("super_glue_boolq_v102", "dev")
+    # The unlabelled test split is known (leaderboard files); its file is missing here.
+    with pytest.raises(files.DataFileError, match=r"super_glue/BoolQ/test\.jsonl"):
         formatted("super_glue_boolq_v102", "test")
