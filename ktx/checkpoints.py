@@ -30,6 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from ktx.optimizers import param_path
+from ktx.summaries import quiet_absl
 from ktx.trainer import TrainState
 
 __all__ = [
@@ -68,29 +69,6 @@ class CorruptCheckpointError(RuntimeError):
         text = str(named[0]).strip()
         head = text.splitlines()[0][:400] if text else type(named[0]).__name__
         super().__init__(f"checkpoint step {self.step_dir.name} ({self.step_dir}) is unreadable: {head}")
-
-
-class _DropPrefix(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
-class _quiet_absl:  # noqa: N801 - a context manager used like a function
-    """Drops absl log records starting with `prefix` inside the block."""
-
-    def __init__(self, prefix: str):
-        self._filter = _DropPrefix(prefix)
-
-    def __enter__(self):
-        logging.getLogger("absl").addFilter(self._filter)
-
-    def __exit__(self, *exc):
-        logging.getLogger("absl").removeFilter(self._filter)
-        return False
 
 
 def _reading(step_dir: pathlib.Path, fn, *args, **kwargs):
@@ -163,7 +141,7 @@ def saved_param_shapes(step_dir: str | os.PathLike) -> dict[str, tuple[int, ...]
     def read():
         # The step-level metadata file lives one folder up (CheckpointManager layout);
         # orbax's warning that `state/` has none is noise to the user.
-        with _quiet_absl("Metadata file does not exist"):
+        with quiet_absl("Metadata file does not exist"):
             metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
         tree = getattr(metadata, "item_metadata", metadata)
         tree = getattr(tree, "tree", tree)

@@ -30,7 +30,7 @@ import optax
 from ktx import partitioning
 from ktx.checkpoints import CHECKPOINTS_SUBDIR, restore_params_skipping_corrupt
 from ktx.models.base import BaseModel
-from ktx.summaries import MetricsWriter, per_task_metrics
+from ktx.summaries import MetricsWriter, per_task_metrics, quiet_absl
 from ktx.trainer import Trainer
 
 __all__ = [
@@ -174,16 +174,20 @@ class DecodeEvaluator:
         import seqio
 
         self._evaluators = {}
+        # SeqIO notes that fixed eval lengths exceed some examples' (they are the run's
+        # lengths on purpose) and that no SeqIO logger is set (ktx writes the metrics).
+        notices = ("Given sequence lengths are longer than necessary", "'logger_cls' is empty")
         for name in self.task_names:
-            self._evaluators[name] = seqio.Evaluator(
-                mixture_or_task_name=name,
-                feature_converter=seqio.EncDecFeatureConverter(pack=False),
-                eval_split=self.split,
-                sequence_length=self.task_feature_lengths,
-                num_examples=self.num_examples,
-                use_memory_cache=True,
-                async_compute_metrics=False,
-            )
+            with quiet_absl(*notices):
+                self._evaluators[name] = seqio.Evaluator(
+                    mixture_or_task_name=name,
+                    feature_converter=seqio.EncDecFeatureConverter(pack=False),
+                    eval_split=self.split,
+                    sequence_length=self.task_feature_lengths,
+                    num_examples=self.num_examples,
+                    use_memory_cache=True,
+                    async_compute_metrics=False,
+                )
 
     def _batches(self, ds, task_id: int) -> Iterable[tuple[np.ndarray, dict[str, np.ndarray], int]]:
         for index, features in ds.batch(self.batch_size).as_numpy_iterator():

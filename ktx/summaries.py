@@ -11,7 +11,9 @@ task `t` is `aux[m][t] / aux["weight"][t]` (interface §2).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import pathlib
@@ -28,10 +30,33 @@ __all__ = [
     "MetricsWriter",
     "ProgressLogger",
     "per_task_metrics",
+    "quiet_absl",
     "read_metrics",
 ]
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class _DropPrefixes(logging.Filter):
+    def __init__(self, prefixes: Sequence[str]):
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+@contextlib.contextmanager
+def quiet_absl(*prefixes: str):
+    """Inside the block, absl log records (orbax, SeqIO) starting with one of `prefixes`
+    are not printed: library notices that say nothing to a ktx user."""
+    dropped = _DropPrefixes(prefixes)
+    logger = logging.getLogger("absl")
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
 
 
 def _scalar(value: Any) -> float | int | str:
