@@ -80,8 +80,9 @@ class Prefetcher:
                 for step in range(start, stop):
                     if self._stop.is_set():
                         return
-                    batch = trainer.global_batch(train_input.get_batch(step))
-                    item = (step, batch, train_input.task_counts(step), None)
+                    counts = train_input.task_counts(step)
+                    batch = trainer.global_batch(train_input.get_batch(step), counts)
+                    item = (step, batch, counts, None)
                     while not self._stop.is_set():
                         try:
                             self._queue.put(item, timeout=0.1)

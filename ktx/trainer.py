@@ -94,6 +94,7 @@ def train_step(
     tx_parts: tuple[Any, Any] | None = None,
     diagnostics_period: int = 1,
     target_task: int = 0,
+    host_checked_layout: bool = False,
     sparse_tables: Sequence[str] | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
@@ -137,7 +138,7 @@ def train_step(
                 loss_sums_fn, normalizer, params, mb, num_tasks=num_tasks,
                 task_counts=counts, method=method, shared=shared,
                 sparse_tables=tuple(sparse_tables) if sparse_tables else None,
-                task_capacity=capacity,
+                task_capacity=capacity, check_layout=not host_checked_layout,
             )
 
         if num_microbatches == 1:
@@ -433,8 +434,25 @@ class Trainer:
 
     # -- steps --------------------------------------------------------------------------
 
-    def global_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows -> global arrays split over the `data` mesh axis."""
+    def global_batch(
+        self, batch: Mapping[str, np.ndarray], task_counts: Sequence[int] | None = None
+    ) -> dict[str, jax.Array]:
+        """This process's rows -> global arrays split over the `data` mesh axis.
+
+        With `task_counts` (balanced path), this process's `task_id` rows are checked
+        against the blocks the counts describe (numpy, before sharding); a batch that is
+        not grouped as promised raises here instead of silently mixing tasks' gradients.
+        """
+        task_id = batch.get("task_id") if task_counts is not None and self.balancer is not None \
+            else None
+        if isinstance(task_id, jax.Array) and task_id.is_fully_addressable \
+                and jax.process_count() == 1:
+            task_id = np.asarray(task_id)  # B ints: cheap, and the step needs them anyway
+        if isinstance(task_id, np.ndarray):
+            from ktx.optim import engine
+
+            engine.check_host_layout(task_id, task_counts, jax.process_index(),
+                                     jax.process_count())
         data_size = self.mesh.shape[partitioning.DATA]
         for k, v in batch.items():
             rows = np.shape(v)[0] * jax.process_count()
@@ -461,6 +479,7 @@ class Trainer:
                 task_capacity=task_capacity,
                 diagnostics_period=self.diagnostics_period,
                 target_task=self.target_task,
+                host_checked_layout=True,
                 grad_method=self.grad_method,
                 shared=self.shared,
                 schedule=self.schedule,
@@ -503,7 +522,7 @@ class Trainer:
             else:
                 self._capacity = tuple(max(a, b) for a, b in zip(self._capacity, counts))
             capacity = self._capacity
-        global_batch = self.global_batch(batch)
+        global_batch = self.global_batch(batch, task_counts)
         with self._context():
             return self._compiled_train_step(capacity)(state, global_batch, rng)
 

@@ -428,3 +428,17 @@ def test_diagnostics_only_on_log_steps_against_the_target_task():
     assert logged == [False, False, True, False, False, True]
     with pytest.raises(ValueError, match="target_task=2"):
         trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), target_task=2)
+
+
+def test_balanced_batch_not_grouped_as_its_counts_fails_before_the_step():
+    from ktx import optim
+
+    inp = ToyInput()
+    tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi())
+    state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+    batch = inp.get_batch(0)
+    batch["task_id"] = batch["task_id"][::-1].copy()  # task 1 first: not what (5, 3) says
+    with pytest.raises(ValueError, match="row 0 has task_id 1"):
+        tr.train_step(state, batch, jax.random.key(1), task_counts=inp.counts)
+    with pytest.raises(ValueError, match="row 0 has task_id 1"):
+        tr.global_batch(batch, inp.counts)

@@ -35,7 +35,7 @@ from ktx.optim.selection import shared_mask
 from ktx.optim.sparse import SparseLookups
 from ktx.optim.task_gradients import SparseRows, TaskGradients, leaf_combine
 
-__all__ = ["METHODS", "compute_task_gradients", "split_shared"]
+__all__ = ["METHODS", "check_host_layout", "compute_task_gradients", "split_shared"]
 
 METHODS = ("auto", "blocks", "vjp")
 
@@ -56,7 +56,9 @@ def split_shared(stacked_grads: Any, params: Any, shared: Sequence[str] | str | 
     return TaskGradients(stacked=stacked, summed=summed)
 
 
-def _validate_counts(task_counts: Sequence[int], num_tasks: int, batch: Mapping) -> tuple[int, ...]:
+def _validate_counts(
+    task_counts: Sequence[int], num_tasks: int, batch: Mapping, check_layout: bool = True
+) -> tuple[int, ...]:
     try:
         counts = tuple(int(c) for c in task_counts)
     except (TypeError, ValueError) as e:
@@ -76,7 +78,7 @@ def _validate_counts(task_counts: Sequence[int], num_tasks: int, batch: Mapping)
             f"task_counts={counts!r} sum to {sum(counts)} but the batch has {n} rows; with "
             "method='blocks' the batch must be task-partitioned (interface §3)"
         )
-    if "task_id" in batch:
+    if check_layout and "task_id" in batch:
         _check_layout(batch["task_id"], counts)
     return counts
 
@@ -99,7 +101,9 @@ def _validate_capacity(task_capacity: Sequence[int], num_tasks: int, batch: Mapp
     return capacity
 
 
-def _dynamic_counts(task_id: jax.Array, capacity: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def _dynamic_counts(
+    task_id: jax.Array, capacity: tuple[int, ...], check_layout: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """`(counts [T], starts [T])` of a task-grouped batch, checked inside the step (a host
     callback that raises): rows sorted by task and every count within its capacity."""
     t = len(capacity)
@@ -117,7 +121,8 @@ def _dynamic_counts(task_id: jax.Array, capacity: tuple[int, ...]) -> tuple[jax.
             raise ValueError(f"task_capacity={capacity!r} but this batch has "
                              f"{tuple(int(c) for c in counts_now)} rows per task")
 
-    jax.debug.callback(fail_if, unsorted, over, counts)
+    if check_layout:
+        jax.debug.callback(fail_if, unsorted, over, counts)
     return counts, starts
 
 
@@ -127,6 +132,24 @@ def _layout_error(counts: tuple[int, ...], first_bad: int, got: int) -> ValueErr
         f"[sum(counts[:t]), sum(counts[:t+1])) ), but row {first_bad} has task_id {got}; "
         "give a task-partitioned batch or no task_counts (the VJP path takes any batch)"
     )
+
+
+def check_host_layout(task_id: Any, counts: Sequence[int], process_index: int = 0,
+                      process_count: int = 1) -> None:
+    """Host-side check of one process's rows of a task-partitioned global batch: its
+    `task_id` (numpy, `[B / process_count]`) must be its slice of the blocks `counts`
+    (global) describe. ValueError naming the first wrong row (global index) otherwise."""
+    counts = tuple(int(c) for c in counts)
+    got = np.asarray(task_id)
+    n = got.shape[0]
+    expected = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    if expected.shape[0] != n * process_count:
+        raise ValueError(f"task_counts={counts!r} sum to {expected.shape[0]} but the global batch "
+                         f"has {n * process_count} rows ({n} on each of {process_count} processes)")
+    local = expected[process_index * n:(process_index + 1) * n]
+    bad = np.flatnonzero(got != local)
+    if bad.size:
+        raise _layout_error(counts, process_index * n + int(bad[0]), int(got[bad[0]]))
 
 
 def _check_layout(task_id: Any, counts: tuple[int, ...]) -> None:
@@ -301,6 +324,7 @@ def compute_task_gradients(
     shared: Sequence[str] | str | None = None,
     sparse_tables: Sequence[str] | None = None,
     task_capacity: Sequence[int] | None = None,
+    check_layout: bool = True,
 ) -> tuple[jax.Array, dict[str, jax.Array], TaskGradients]:
     """Per-task losses and gradients (call inside `jax.jit`).
 
@@ -315,6 +339,10 @@ def compute_task_gradients(
       method: one of `METHODS`.
       task_capacity: instead of `task_counts`, static per-task block sizes at least the
         counts; the counts are read from `batch["task_id"]` inside the step.
+      check_layout: check that the rows' `task_id` are grouped as the blocks assume (for
+        traced batches, a host callback in the step that raises). The `Trainer` checks
+        each batch on the host before it is sharded and passes False: a per-step
+        callback costs as much as the rest of the balanced overhead on small steps.
       shared: which parameters keep a task axis (see `ktx.optim.selection.shared_mask`).
       sparse_tables: regexes selecting `nn.Embed` tables (e.g. `r"_embedding/embedding$"`)
         whose per-task gradients are kept as `SparseRows` (see `ktx.optim.sparse`);
@@ -342,11 +370,11 @@ def compute_task_gradients(
                 "batch); use method='vjp' or 'auto' for sampled batches"
             )
         if task_counts is not None:
-            sizes = _validate_counts(task_counts, num_tasks, batch)
+            sizes = _validate_counts(task_counts, num_tasks, batch, check_layout)
             starts = np.cumsum((0,) + sizes[:-1])
         else:
             sizes = _validate_capacity(task_capacity, num_tasks, batch)
-            _, starts = _dynamic_counts(batch["task_id"], sizes)
+            _, starts = _dynamic_counts(batch["task_id"], sizes, check_layout)
         if sparse_tables:
             sl = SparseLookups(loss_sums_fn, params, sparse_tables)
             sums, aux, grads = _sparse_blocks(

@@ -170,12 +170,13 @@ def _balancer(name):
     return factory(**kwargs)
 
 
-def trainer_path(model, batch, counts, steps, repeats, sparse=None):
+def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None):
     """Interleaved timing of `Trainer.train_step`, plain and with every balancer."""
     from ktx.trainer import Trainer
 
     host_batch = jax.device_get(batch)
-    configs = {"plain": None, **{name: name for name in ko.BALANCERS}}
+    names = list(balancers or ko.BALANCERS)
+    configs = {"plain": None, **{name: name for name in names}}
     runs = {}
     for name, balancer in configs.items():
         tr = Trainer(model, optax.adam(1e-3), balancer=None if balancer is None else _balancer(balancer),
@@ -201,7 +202,7 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None):
     base = statistics.median(times["plain"])
     out = {"plain_ms": {"median": round(base * 1e3, 3), "min": round(min(times["plain"]) * 1e3, 3)}}
     ratios = {}
-    for name in ko.BALANCERS:
+    for name in names:
         med = statistics.median(times[name])
         ratios[name] = round(med / base, 3)
         out[f"{name}_ms"] = {"median": round(med * 1e3, 3), "min": round(min(times[name]) * 1e3, 3)}
@@ -250,6 +251,7 @@ def main(argv=None):
     p.add_argument("--recsys_rows_per_task", type=int, default=64)
     p.add_argument("--t5_rows_per_task", type=int, default=4)
     p.add_argument("--skip_engine", action="store_true", help="only the trainer path")
+    p.add_argument("--balancers", default="", help="comma-separated subset of ktx.optim.BALANCERS")
     args = p.parse_args(argv)
     trainer_ratios, trainer_times = {}, {}
     for key, setup, per_task in (("t5_tiny", _t5_setup, args.t5_rows_per_task),
@@ -257,7 +259,8 @@ def main(argv=None):
         model, batch, sparse = setup(per_task)
         counts = (per_task,) * T
         trainer_ratios[key], trainer_times[key] = trainer_path(
-            model, batch, counts, args.steps, args.repeats, sparse)
+            model, batch, counts, args.steps, args.repeats, sparse,
+            [b for b in args.balancers.split(",") if b] or None)
         print(json.dumps({"trainer_path": {key: trainer_ratios[key]}}), flush=True)
     result = {
         "benchmark": "per_task_grads",
