@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ktx.convert import layout
-from ktx.convert.hf_t5 import _read_tensors
+from ktx.convert.hf_t5 import read_hf_config, read_hf_tensors
 from ktx.models.bert import HIDDEN_ACTS, BertConfig, BertEncoder
 
 __all__ = [
@@ -205,19 +205,9 @@ def read_hf_bert(path: str | os.PathLike) -> BertImported:
     (unsupported config, pickle-only directory, a tensor missing, unexpected or of the
     wrong shape, an untied MLM decoder).
     """
-    path = pathlib.Path(path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"Hugging Face checkpoint directory {str(path)!r} does not exist")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json (a Hugging Face BERT directory holds "
-                                "config.json and model.safetensors)")
-    try:
-        values = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from e
+    path, config_file, values = read_hf_config(path, "BERT")
     config = bert_config_from_hf(values, where=str(config_file))
-    tensors = _strip(_read_tensors(path))
+    tensors = _strip(read_hf_tensors(path))
     for name in _SKIPPED:
         tensors.pop(name, None)
     word = tensors.get("embeddings.word_embeddings.weight")

@@ -51,7 +51,9 @@ __all__ = [
     "config_from_hf",
     "hf_config",
     "hf_tensor_names",
+    "read_hf_config",
     "read_hf_t5",
+    "read_hf_tensors",
     "write_hf_t5",
 ]
 
@@ -80,6 +82,24 @@ class Imported(NamedTuple):
     config: T5Config
     params: dict[str, Any]
     source: str
+
+
+def read_hf_config(path: str | os.PathLike, family: str) -> tuple[pathlib.Path, pathlib.Path, dict]:
+    """`(directory, config.json path, its values)` of a Hugging Face checkpoint directory
+    of `family` ("T5", "BERT": named in the errors). FileNotFoundError for a missing
+    directory or config.json, ValueError for a config that is not JSON."""
+    path = pathlib.Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"Hugging Face checkpoint directory {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (a Hugging Face {family} directory holds "
+                                "config.json and model.safetensors)")
+    try:
+        values = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from e
+    return path, config_file, values
 
 
 def config_from_hf(
@@ -282,7 +302,9 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     )
 
 
-def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+def read_hf_tensors(path: pathlib.Path) -> Mapping[str, np.ndarray]:
+    """Every tensor of a Hugging Face directory's safetensors weights (one file or an
+    index of shards); a pickle-only directory is refused."""
     files = _weight_files(path)
     if "" in files:
         return read_safetensors(files[""])
@@ -304,18 +326,8 @@ def read_hf_t5(path: str | os.PathLike) -> Imported:
     (unsupported config, a pickle-only directory, a truncated file, a tensor missing,
     unexpected or of the wrong shape — named with its shape and the expected one).
     """
-    path = pathlib.Path(path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"Hugging Face checkpoint directory {str(path)!r} does not exist")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json (a Hugging Face T5 directory holds "
-                                "config.json and model.safetensors)")
-    try:
-        values = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from e
-    tensors = _read_tensors(path)
+    path, config_file, values = read_hf_config(path, "T5")
+    tensors = read_hf_tensors(path)
     shared = tensors.get("shared.weight")
     # Files converted from pytorch_model.bin may carry copies of the shared embedding, and
     # a tied checkpoint may store lm_head.weight as one.
