@@ -159,11 +159,13 @@ def read_ktx_checkpoint(
     import orbax.checkpoint as ocp
 
     from ktx.checkpoints import _reading, resolve_checkpoint
+    from ktx.summaries import quiet_absl
 
     step_dir = resolve_checkpoint(path, step)
 
     def read():
-        metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
+        with quiet_absl("Metadata file does not exist"):  # it sits one folder up
+            metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
         tree = getattr(metadata, "item_metadata", metadata)
         tree = getattr(tree, "tree", tree)
         item = {"params": jax.tree.map(lambda _: 0, tree["params"])}
