@@ -397,12 +397,12 @@ PATH_MACROS = (
     "USER_BEHAVIOR_CSV", "LEADERBOARD_DIR",
 )
 _URL = re.compile(r"^[A-Za-z][\w+.-]*://")
-_SOURCE_PREFIX = re.compile(r"^(hf|t5x):(.*)$", re.S)
+_SOURCE_PREFIX = re.compile(r"^(hf|t5x|conditioning):(.*)$", re.S)
 
 
 def absolute_path(value: str) -> str:
     """`value` made absolute against the working directory (`~` expanded); URLs
-    (`gs://...`) are kept as they are and `hf:`/`t5x:` sources keep their prefix."""
+    (`gs://...`) are kept as they are and `hf:`/`t5x:`/`conditioning:` keep their prefix."""
     if _URL.match(value):
         return value
     m = _SOURCE_PREFIX.match(value)
@@ -729,7 +729,8 @@ def _convert_command(args) -> int:
     from ktx import convert
 
     usage = {"import": "ktx import hf:DIR|t5x:DIR OUT_DIR",
-             "export": "ktx export RUN_OR_CHECKPOINT_DIR hf:OUT_DIR [--checkpoint STEP]"}
+             "export": "ktx export RUN_OR_CHECKPOINT_DIR hf:OUT_DIR|conditioning:FILE "
+                       "[--checkpoint STEP]"}
     if len(args.args) != 2:
         raise ValueError(f"ktx {args.command} takes 2 arguments, got {args.args}; "
                          f"usage: {usage[args.command]}")
@@ -742,6 +743,13 @@ def _convert_command(args) -> int:
     if args.checkpoint is not None and not args.checkpoint.isdigit():
         raise ValueError(f"--checkpoint={args.checkpoint!r}; accepted: a step number")
     step = int(args.checkpoint) if args.checkpoint is not None else None
+    if out.startswith("conditioning:"):  # the task-conditioned parameters alone
+        from ktx.convert.conditioning import export_conditioning
+
+        path = export_conditioning(src, out[len("conditioning:"):], step=step)
+        print(f"wrote {path} (task-conditioned parameters; load them on a backbone with "
+              "ktx.convert.conditioning.load_conditioning)")
+        return 0
     config = None
     src_dir = pathlib.Path(src)
     run_gin = next((d / "config.gin" for d in (src_dir, *src_dir.parents[:2])
