@@ -230,14 +230,7 @@ def read_hf_bert(path: str | os.PathLike) -> BertImported:
         if present and len(present) != len(names):
             lines += [f"  tensor {n} is missing (the {label} is partly present; expected shape "
                       f"{list(expected[n])})" for n in names if n not in tensors]
-    for name, shape in expected.items():
-        if name not in tensors:
-            if name not in optional:
-                lines.append(f"  tensor {name} is missing (expected shape {list(shape)})")
-        elif tuple(tensors[name].shape) != shape:
-            lines.append(f"  tensor {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
-    lines += [f"  tensor {name} {list(tensors[name].shape)} is not part of this model"
-              for name in tensors if name not in expected]
+    lines += layout.tensor_mismatches(tensors, expected, optional)
     if lines:
         fields = (f"hidden_size={config.hidden_size}, num_hidden_layers={config.num_layers}, "
                   f"num_attention_heads={config.num_heads}, intermediate_size="

@@ -343,14 +343,7 @@ def read_hf_t5(path: str | os.PathLike) -> Imported:
     fields = (f"d_model={config.emb_dim}, num_heads={config.num_heads}, d_kv={config.head_dim}, "
               f"d_ff={config.mlp_dim}, vocab_size={config.vocab_size}, "
               f"relative_attention_num_buckets={config.relative_attention_num_buckets}")
-    lines = []
-    for name, shape in expected.items():
-        if name not in tensors:
-            lines.append(f"  tensor {name} is missing (expected shape {list(shape)})")
-        elif tuple(tensors[name].shape) != shape:
-            lines.append(f"  tensor {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
-    lines += [f"  tensor {name} {list(tensors[name].shape)} is not part of this model"
-              for name in tensors if name not in expected]
+    lines = layout.tensor_mismatches(tensors, expected)
     if lines:
         raise ValueError(
             f"{path}: the tensors do not match config.json ({fields}; "

@@ -187,3 +187,20 @@ def config_from_dict(values: Mapping[str, Any]) -> T5Config:
     if "mlp_activations" in values:
         values["mlp_activations"] = tuple(values["mlp_activations"])
     return T5Config(**values)
+
+
+def tensor_mismatches(
+    tensors: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], optional: Any = ()
+) -> list[str]:
+    """One line per checkpoint tensor that is missing (unless in `optional`), of the wrong
+    shape, or not part of the model, each naming the tensor and both shapes."""
+    lines = []
+    for name, shape in expected.items():
+        if name not in tensors:
+            if name not in optional:
+                lines.append(f"  tensor {name} is missing (expected shape {list(shape)})")
+        elif tuple(tensors[name].shape) != shape:
+            lines.append(f"  tensor {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+    lines += [f"  tensor {name} {list(tensors[name].shape)} is not part of this model"
+              for name in tensors if name not in expected]
+    return lines

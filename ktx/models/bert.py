@@ -58,10 +58,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ktx.models.t5 import ACTIVATION_DTYPES
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, VOCAB
 
 __all__ = [
-    "ACTIVATION_DTYPES",
     "HIDDEN_ACTS",
     "BertConfig",
     "BertOutput",
@@ -74,7 +74,6 @@ __all__ = [
     "attention_mask_from",
 ]
 
-ACTIVATION_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # transformers' `hidden_act` names: "gelu" is the exact erf GELU, "gelu_new" (alias
 # "gelu_pytorch_tanh") the tanh approximation.
 HIDDEN_ACTS = {
