@@ -1,0 +1,464 @@
+"""PALs: projected attention layers for multi-task BERT (Stickland & Murray, ICML 2019,
+"BERT and PALs: Projected Attention Layers for Efficient Adaptation in Multi-Task
+Learning"), and the task-conditioned BERT classifier it shares with TEA-BERT
+(`ktx.models.tea`).
+
+Every layer `l` of BERT gets, for each task `t`, a small self-attention in a projected
+space of width `A = pals_size` (d_s, 204 for BERT-Base), run on the layer's *input* `h`:
+
+    PAL_t(h) = GELU(V_D^t · MHA_t^l(V_E^t · h))       (erf GELU, as the authors' code)
+
+`V_E^t` `[E -> A]` and `V_D^t` `[A -> E]` are one pair per task shared by all layers;
+`MHA_t^l` is `pals_heads`-head self-attention (6 in the paper) with its own query / key /
+value projections `[A -> A]`, the same key mask as BERT's attention and its attention
+dropout, and no output projection. The PAL joins the feed-forward residual:
+
+    a = LN(h + dropout(Attention(h)))
+    layer_out = LN(dropout(FFN(a)) + a + PAL_t(h))
+
+`pal_layers` picks the layers that get a PAL (default: all; the others are plain BERT
+layers). Each ROW is conditioned by its own `task_id` `[B]`: the per-task weights are
+gathered per row, so a batch may mix tasks.
+
+Parameters (paths of `PalsClassifierModel.module`): the backbone keeps `BertEncoder`'s
+names and the heads `EncoderClassifierModel`'s, so a BERT checkpoint or a trained
+`EncoderClassifierModel` loads into them; the PALs live under `conditioning` (counted as
+task-conditioned by `ktx params`), replicated over the mesh (axes `tasks`,
+`hyper_bottleneck`), as every other ktx task-conditioning parameter:
+
+    conditioning/down/{kernel [T, E, A], bias [T, A]}                   V_E, all layers
+    conditioning/up/{kernel [T, A, E], bias [T, E]}                     V_D, all layers
+    conditioning/layers_l/{query,key,value}/kernel [T, A, n, A/n]       MHA_t^l
+    conditioning/layers_l/{query,key,value}/bias   [T, n, A/n]
+
+`ktx.convert.pals.read_pals` loads the authors' checkpoint into this layout; the test
+`tests/models/test_pals.py` reproduces their outputs (fixture `pals/`).
+
+Size (BERT-Base, d_s = 204, 6 heads, 12 layers, 9 GLUE tasks, one head per task: 8
+two- or three-way classifiers and STS-B's regression; `ktx params`, shapes only):
+
+    ktx params --gin_file=models/bert_base.gin --gin_file=conditioning/pals.gin \\
+      --gin.NUM_TASKS=9 --gin.NUM_LABELS=2
+    backbone (BERT-Base + 9 two-way heads) 109,496,076; PALs 16,299,360 (1,811,040 per
+    task); total 125,795,436: 1.1489x
+
+The paper reports 1.13x. Its count leaves out the biases (1.1479x without any), so the
+gap is in what it counts as the base, not in the architecture: each task adds
+`2 E A + 12 * 3 A^2` weights = 313,344 + 1,498,176 (the per-layer attentions dominate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ktx.conditioning.task_embedding import gather_by_task
+from ktx.models import bert, encoder
+from ktx.models.base import Batch, row_keys
+from ktx.partitioning import (
+    BATCH,
+    EMBED,
+    HEADS,
+    HYPER_BOTTLENECK,
+    KV,
+    LENGTH,
+    MLP,
+    TASKS,
+)
+
+__all__ = [
+    "LayerHooks",
+    "TaskDense",
+    "TaskBertEmbeddings",
+    "ConditionedBertAttention",
+    "ConditionedBertLayer",
+    "ConditionedBertClassifier",
+    "TaskConditionedClassifierModel",
+    "ProjectedSelfAttention",
+    "Pals",
+    "PalsClassifierModel",
+    "check_layers",
+]
+
+Array = jax.Array
+_NEG_INF = -1e10  # bert.BertAttention's masked score
+_FEATURES = ("input_ids", "token_type_ids", "attention_mask", "task_id")
+_init = nn.initializers.normal(stddev=0.02)  # BERT's initializer_range
+
+
+class LayerHooks(NamedTuple):
+    """What a task-conditioning module adds to one layer (None: nothing).
+
+    `qkv`: `[B, 3, H, D]` added to the query, key and value projections (TEA-BERT);
+    `residual`: `[B, L, E]` added inside the feed-forward residual, before its LayerNorm
+    (PALs)."""
+
+    qkv: Array | None = None
+    residual: Array | None = None
+
+
+def _layer_norm(eps: float, dtype: Any, name: str) -> nn.LayerNorm:
+    # bert.BertLayer's layer norm: two-pass variance in float32, axes (embed,).
+    return nn.LayerNorm(
+        epsilon=eps, dtype=dtype, param_dtype=jnp.float32, use_fast_variance=False, name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, (EMBED,)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED,)),
+    )
+
+
+class TaskDense(nn.Module):
+    """One dense layer per task, picked per row: `x [B, L, I]`, `task_id [B]` ->
+    `[B, L, *features]`. Kernel `[T, I, *features]` (axes `(tasks, *kernel_axes)`), bias
+    `[T, *features]` (`(tasks, *bias_axes)`), float32; computed in `dtype`."""
+
+    num_tasks: int
+    features: tuple[int, ...]
+    kernel_axes: tuple[str | None, ...]
+    bias_axes: tuple[str | None, ...]
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, task_id: Array) -> Array:
+        features = tuple(self.features)
+        n_out = math.prod(features)
+        kernel = self.param("kernel", nn.with_logical_partitioning(_init, (TASKS, *self.kernel_axes)),
+                            (self.num_tasks, x.shape[-1], *features), jnp.float32)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                               (TASKS, *self.bias_axes)),
+                          (self.num_tasks, *features), jnp.float32)
+        k = gather_by_task(kernel, task_id).reshape(task_id.shape[0], x.shape[-1], n_out)
+        b = gather_by_task(bias, task_id).reshape(task_id.shape[0], 1, n_out)
+        y = jnp.einsum("bli,bio->blo", jnp.asarray(x, self.dtype), jnp.asarray(k, self.dtype))
+        y = y + jnp.asarray(b, self.dtype)
+        return y.reshape(*x.shape[:-1], *features)
+
+
+class TaskBertEmbeddings(bert.BertEmbeddings):
+    """`bert.BertEmbeddings` (same parameters) with an optional per-row `offset [B, E]`
+    added to the word + position + token-type sum before the LayerNorm."""
+
+    def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool,
+                 offset: Array | None = None) -> Array:
+        length = input_ids.shape[1]
+        if length > self.max_position:
+            raise ValueError(
+                f"input length {length} exceeds max_position={self.max_position} (the "
+                "learned position table); truncate the inputs")
+        positions = jnp.arange(length, dtype=jnp.int32)[None]
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings(token_type_ids))
+        if offset is not None:
+            x = x + jnp.asarray(offset, x.dtype)[:, None, :]
+        x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+        return self.dropout(self.layer_norm(x), deterministic=deterministic)
+
+
+class ConditionedBertAttention(nn.Module):
+    """`bert.BertAttention` (same parameters, same computation) with an optional per-row
+    `qkv [B, 3, H, D]` added to the query, key and value projections."""
+
+    num_heads: int
+    head_dim: int
+    dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, deterministic: bool,
+                 qkv: Array | None = None) -> Array:
+        proj = []
+        for i, name in enumerate(("query", "key", "value")):
+            y = bert.DenseGeneral((self.num_heads, self.head_dim), (EMBED, HEADS, KV), (HEADS, KV),
+                                  dtype=self.dtype, name=name)(x)
+            if qkv is not None:
+                y = y + jnp.asarray(qkv[:, i], self.dtype)[:, None]
+            proj.append(nn.with_logical_constraint(y, (BATCH, LENGTH, HEADS, KV)))
+        q, k, v = proj
+        scores = jnp.einsum("bqhd,bkhd->bhqk", jnp.asarray(q, jnp.float32),
+                            jnp.asarray(k, jnp.float32)) / math.sqrt(self.head_dim)
+        scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, self.dtype), v)
+        out = bert.DenseGeneral((x.shape[-1],), (HEADS, KV, EMBED), (EMBED,), axis=(-2, -1),
+                                dtype=self.dtype, name="out")(out)
+        return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
+
+
+class ConditionedBertLayer(nn.Module):
+    """`bert.BertLayer` (same parameters) taking `LayerHooks`: `[B, L, E]`, key mask
+    `[B, L]` -> `[B, L, E]`; `hooks.residual` joins the feed-forward residual,
+    `LN(dropout(FFN(a)) + (a + residual))` (the authors' PALs summation order)."""
+
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, deterministic: bool,
+                 hooks: LayerHooks = LayerHooks()) -> Array:
+        hidden = x.shape[-1]
+        a = ConditionedBertAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
+                                     self.dtype, name="attention")(x, mask, deterministic, hooks.qkv)
+        a = nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
+        x = _layer_norm(self.layer_norm_eps, self.dtype, "attention_layer_norm")(x + a)
+        h = bert.DenseGeneral((self.intermediate_size,), (EMBED, MLP), (MLP,), dtype=self.dtype,
+                              name="intermediate")(x)
+        h = bert.HIDDEN_ACTS[self.hidden_act](h)
+        h = nn.with_logical_constraint(h, (BATCH, LENGTH, MLP))
+        h = bert.DenseGeneral((hidden,), (MLP, EMBED), (EMBED,), dtype=self.dtype, name="output")(h)
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        if hooks.residual is not None:
+            x = x + jnp.asarray(hooks.residual, x.dtype)
+        x = _layer_norm(self.layer_norm_eps, self.dtype, "output_layer_norm")(h + x)
+        return nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+
+
+class ConditionedBertClassifier(nn.Module):
+    """`encoder.BertClassifier` whose rows are conditioned by their `task_id`.
+
+    `conditioning` (scope `conditioning`; None = plain BERT) provides
+    `input_offset(task_id) -> [B, E] | None` (added to the input embeddings) and
+    `layer_hooks(index, x, mask, task_id, deterministic) -> LayerHooks`.
+
+    `__call__(input_ids, token_type_ids, attention_mask, task_id, *, deterministic)` ->
+    a tuple of `T` float32 logits `[B, n_t]`; `encode(...)` -> (every layer's output,
+    a tuple of `[B, L, E]`, and the pooled output `[B, E]`).
+    """
+
+    config: bert.BertConfig = bert.BertConfig()
+    num_labels: tuple[int, ...] = (2,)
+    classifier_dropout: float = 0.1
+    conditioning: nn.Module | None = None
+
+    def setup(self):
+        c = self.config
+        dtype = c.activation_dtype
+        self.embeddings = TaskBertEmbeddings(
+            c.vocab_size, c.hidden_size, c.max_position, c.type_vocab_size, c.layer_norm_eps,
+            c.dropout_rate, dtype)
+        self.layers = [
+            ConditionedBertLayer(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+                                 c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
+                                 name=f"layers_{i}")
+            for i in range(c.num_layers)
+        ]
+        self.pooler = bert.DenseGeneral((c.hidden_size,), (EMBED, MLP), (MLP,), dtype=dtype)
+        self.head_dropout = nn.Dropout(self.classifier_dropout)
+        self.task_heads = encoder.TaskHeads(tuple(self.num_labels), dtype)
+
+    def encode(self, input_ids: Array, token_type_ids: Array | None = None,
+               attention_mask: Array | None = None, task_id: Array | None = None, *,
+               deterministic: bool = True) -> tuple[tuple[Array, ...], Array]:
+        if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(
+                f"input_ids: shape {input_ids.shape} dtype {input_ids.dtype}; accepted: int [B, L]")
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        elif token_type_ids.shape != input_ids.shape:
+            raise ValueError(f"token_type_ids has shape {token_type_ids.shape}; accepted: "
+                             f"input_ids' shape {input_ids.shape}")
+        if task_id is None:
+            raise ValueError("task_id [B] is required: every row is conditioned by its task")
+        task_id = jnp.asarray(task_id, jnp.int32)
+        if task_id.shape != input_ids.shape[:1]:
+            raise ValueError(f"task_id has shape {task_id.shape}; accepted: [B] = "
+                             f"{input_ids.shape[:1]}")
+        mask = bert.attention_mask_from(input_ids, attention_mask)
+        cond = self.conditioning
+        offset = None if cond is None else cond.input_offset(task_id)
+        x = self.embeddings(input_ids, token_type_ids, deterministic, offset)
+        outputs = []
+        for i, layer in enumerate(self.layers):
+            hooks = LayerHooks() if cond is None else cond.layer_hooks(i, x, mask, task_id,
+                                                                       deterministic)
+            x = layer(x, mask, deterministic, hooks)
+            outputs.append(x)
+        pooled = jnp.tanh(self.pooler(x[:, 0]))
+        return tuple(outputs), pooled
+
+    def __call__(self, input_ids, token_type_ids=None, attention_mask=None, task_id=None, *,
+                 deterministic: bool = True) -> tuple[Array, ...]:
+        _, pooled = self.encode(input_ids, token_type_ids, attention_mask, task_id,
+                                deterministic=deterministic)
+        return self.task_heads(self.head_dropout(pooled, deterministic=deterministic))
+
+
+class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
+    """`encoder.EncoderClassifierModel` (same arguments, features, loss and metrics) whose
+    module is a `ConditionedBertClassifier` fed each row's `task_id`; subclasses build the
+    `conditioning` module (`_conditioning()`)."""
+
+    def __init__(self, config: bert.BertConfig | None = None, *,
+                 num_labels: int | Sequence[int] = (2,), num_tasks: int | None = None,
+                 classifier_dropout: float | None = None, loss_normalization: str = "global"):
+        super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
+                         classifier_dropout=classifier_dropout,
+                         loss_normalization=loss_normalization)
+        self.module = ConditionedBertClassifier(
+            config=self.config, num_labels=self.num_labels,
+            classifier_dropout=self.classifier_dropout, conditioning=self._conditioning())
+
+    def _conditioning(self) -> nn.Module | None:
+        return None
+
+    def init_variables(self, rng: jax.Array, batch: Batch) -> Any:
+        ids = jnp.zeros(batch["input_ids"].shape, jnp.int32)
+        return self.module.init(rng, ids, ids, jnp.ones_like(ids), jnp.zeros(ids.shape[:1], jnp.int32),
+                                deterministic=True)
+
+    def logits(self, params: Any, batch: Batch, rng: jax.Array | None = None,
+               train: bool = False) -> tuple[jax.Array, ...]:
+        """`T` float32 logits `[B, n_t]` (every head on every row; each row's encoder
+        conditioned by its own `task_id`)."""
+        self._check_batch(batch, ("input_ids", "task_id"))
+        features = {k: jnp.asarray(batch[k], jnp.int32) for k in _FEATURES if k in batch}
+        c = self.config
+        dropout = train and (c.dropout_rate > 0 or c.attention_dropout_rate > 0
+                             or self.classifier_dropout > 0)
+        if not dropout:
+            return self.module.apply({"params": params}, **features, deterministic=True)
+        if rng is None:
+            raise ValueError("train=True with dropout needs an rng")
+
+        def one(row, key):  # dropout keyed per example, as EncoderClassifierModel
+            row = {k: v[None] for k, v in row.items()}
+            out = self.module.apply({"params": params}, **row, deterministic=False,
+                                    rngs={"dropout": key})
+            return tuple(o[0] for o in out)
+
+        return jax.vmap(one)(features, row_keys(rng, batch))
+
+    def encode(self, params: Any, batch: Batch) -> tuple[tuple[Array, ...], Array]:
+        """Deterministic `(every layer's output [B, L, E], pooled [B, E])` of `batch`."""
+        features = {k: jnp.asarray(batch[k], jnp.int32) for k in _FEATURES if k in batch}
+        return self.module.apply({"params": params}, **features, deterministic=True,
+                                 method=ConditionedBertClassifier.encode)
+
+
+class ProjectedSelfAttention(nn.Module):
+    """Per-task multi-head self-attention in the projected space without an output
+    projection (a PAL's `MHA`): `x [B, L, A]`, key mask `[B, L]`, `task_id [B]` ->
+    `[B, L, A]` (heads concatenated). Scores and softmax in float32."""
+
+    num_tasks: int
+    num_heads: int
+    dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, task_id: Array, deterministic: bool) -> Array:
+        width = x.shape[-1]
+        head_dim = width // self.num_heads
+        q, k, v = (TaskDense(self.num_tasks, (self.num_heads, head_dim),
+                             (HYPER_BOTTLENECK, None, None), (None, None), self.dtype,
+                             name=name)(x, task_id)
+                   for name in ("query", "key", "value"))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", jnp.asarray(q, jnp.float32),
+                            jnp.asarray(k, jnp.float32)) / math.sqrt(head_dim)
+        scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, self.dtype), v)
+        return out.reshape(*x.shape)
+
+
+class Pals(nn.Module):
+    """The PALs of every task (scope `conditioning`): `layer_hooks(l, h, mask, task_id,
+    deterministic)` puts `GELU(V_D MHA^l(V_E h))` `[B, L, E]` in the feed-forward
+    residual of layer `l` (when in `layers`), each row with its own task's weights."""
+
+    num_tasks: int
+    hidden_size: int
+    pals_size: int = 204
+    num_heads: int = 6
+    layers: tuple[int, ...] = ()
+    attention_dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        t = self.num_tasks
+        self.down = TaskDense(t, (self.pals_size,), (EMBED, HYPER_BOTTLENECK), (HYPER_BOTTLENECK,),
+                              self.dtype)
+        self.up = TaskDense(t, (self.hidden_size,), (HYPER_BOTTLENECK, EMBED), (EMBED,), self.dtype)
+        self.attention = [ProjectedSelfAttention(t, self.num_heads, self.attention_dropout_rate,
+                                                 self.dtype, name=f"layers_{i}")
+                          for i in self.layers]
+
+    def input_offset(self, task_id: Array) -> None:
+        return None
+
+    def layer_hooks(self, index: int, x: Array, mask: Array, task_id: Array,
+                    deterministic: bool) -> LayerHooks:
+        if index not in self.layers:
+            return LayerHooks()
+        z = self.down(x, task_id)
+        z = self.attention[self.layers.index(index)](z, mask, task_id, deterministic)
+        return LayerHooks(residual=bert.HIDDEN_ACTS["gelu"](self.up(z, task_id)))
+
+
+def _check_int(owner: str, name: str, value: Any, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner}.{name}={value!r}: must be an int >= {low}")
+
+
+def check_layers(owner: str, name: str, layers: Sequence[int] | None,
+                 num_layers: int) -> tuple[int, ...]:
+    """`layers` as a sorted tuple of distinct layer indices in `[0, num_layers)` (None:
+    every layer); ValueError naming `owner.name` otherwise."""
+    if layers is None:
+        return tuple(range(num_layers))
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers
+            for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"{owner}.{name}={layers!r}; accepted: None (every layer) or distinct "
+                         f"layer indices in [0, {num_layers})")
+    return tuple(sorted(layers))
+
+
+class PalsClassifierModel(TaskConditionedClassifierModel):
+    """BERT with PALs and one classification / regression head per task.
+
+    Args (the rest as `encoder.EncoderClassifierModel`):
+      pals_size: the projected width `A` (d_s; 204 in the paper for BERT-Base).
+      pals_heads: heads of each PAL's attention (6 in the paper); must divide `pals_size`.
+      pal_layers: indices of the layers with a PAL (default None: every layer).
+    """
+
+    def __init__(self, config: bert.BertConfig | None = None, *,
+                 num_labels: int | Sequence[int] = (2,), num_tasks: int | None = None,
+                 classifier_dropout: float | None = None, loss_normalization: str = "global",
+                 pals_size: int = 204, pals_heads: int = 6,
+                 pal_layers: Sequence[int] | None = None):
+        _check_int("PalsClassifierModel", "pals_size", pals_size)
+        _check_int("PalsClassifierModel", "pals_heads", pals_heads)
+        if pals_size % pals_heads:
+            raise ValueError(f"PalsClassifierModel.pals_size={pals_size} is not a multiple of "
+                             f"pals_heads={pals_heads}")
+        self.pals_size, self.pals_heads = pals_size, pals_heads
+        self._pal_layers = pal_layers
+        super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
+                         classifier_dropout=classifier_dropout,
+                         loss_normalization=loss_normalization)
+
+    def _conditioning(self) -> nn.Module:
+        c = self.config
+        self.pal_layers = check_layers("PalsClassifierModel", "pal_layers", self._pal_layers,
+                                       c.num_layers)
+        return Pals(self.num_tasks, c.hidden_size, self.pals_size, self.pals_heads,
+                    self.pal_layers, c.attention_dropout_rate, c.activation_dtype)
+
+    def __repr__(self) -> str:
+        return (f"PalsClassifierModel(config={self.config}, num_labels={self.num_labels}, "
+                f"classifier_dropout={self.classifier_dropout}, "
+                f"loss_normalization={self.loss_normalization!r}, pals_size={self.pals_size}, "
+                f"pals_heads={self.pals_heads}, pal_layers={self.pal_layers})")
