@@ -397,12 +397,12 @@ PATH_MACROS = (
     "USER_BEHAVIOR_CSV", "LEADERBOARD_DIR",
 )
 _URL = re.compile(r"^[A-Za-z][\w+.-]*://")
-_SOURCE_PREFIX = re.compile(r"^(hf|t5x|conditioning):(.*)$", re.S)
+_SOURCE_PREFIX = re.compile(r"^(hf|t5x|camtl|conditioning):(.*)$", re.S)
 
 
 def absolute_path(value: str) -> str:
     """`value` made absolute against the working directory (`~` expanded); URLs
-    (`gs://...`) are kept as they are and `hf:`/`t5x:`/`conditioning:` keep their prefix."""
+    (`gs://...`) are kept as they are and `hf:`/`t5x:`/`camtl:`/`conditioning:` keep their prefix."""
     if _URL.match(value):
         return value
     m = _SOURCE_PREFIX.match(value)
@@ -728,7 +728,7 @@ def _convert_command(args) -> int:
     docs/checkpoints.md."""
     from ktx import convert
 
-    usage = {"import": "ktx import hf:DIR|t5x:DIR OUT_DIR",
+    usage = {"import": "ktx import hf:DIR|t5x:DIR|camtl:DIR OUT_DIR",
              "export": "ktx export RUN_OR_CHECKPOINT_DIR hf:OUT_DIR|conditioning:FILE "
                        "[--checkpoint STEP]"}
     if len(args.args) != 2:

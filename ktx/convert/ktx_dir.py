@@ -10,6 +10,9 @@ which `ktx.checkpoints.load_initial_params` / `resolve_checkpoint` read like a r
 directory (`INITIAL_CHECKPOINT_PATH = 'OUT'`). `export_checkpoint(SRC, "hf:DIR")` reads
 the parameters of a ktx run or checkpoint (latest step or `step`) and writes a Hugging
 Face T5 directory.
+
+`camtl:DIR` (the authors' CA-MTL checkpoint, `ktx.convert.camtl`) writes a model.gin
+binding MODEL to the matching `ktx.models.camtl.CaMtlClassifierModel`.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ __all__ = [
     "export_checkpoint",
 ]
 
-SOURCE_PREFIXES = ("hf", "t5x")
+SOURCE_PREFIXES = ("hf", "t5x", "camtl")
 
 
 def _split(source: str | os.PathLike) -> tuple[str | None, str]:
@@ -61,10 +64,15 @@ def load_source(source: str | os.PathLike) -> Imported:
     if prefix is None:
         raise ValueError(
             f"checkpoint source {os.fspath(source)!r}: accepted: 'hf:DIR' (a Hugging Face T5 "
-            "directory) or 't5x:DIR' (a T5X checkpoint_<step> or model directory)"
+            "directory), 't5x:DIR' (a T5X checkpoint_<step> or model directory) or "
+            "'camtl:DIR' (an authors' CA-MTL checkpoint)"
         )
     if not path:
         raise ValueError(f"checkpoint source {os.fspath(source)!r} names no directory")
+    if prefix == "camtl":
+        from ktx.convert.camtl import read_camtl
+
+        return read_camtl(path)
     if prefix == "hf" and is_hf_bert(path):  # config.json's model_type picks the reader
         return read_hf_bert(path)
     return read_hf_t5(path) if prefix == "hf" else read_t5x(path)
@@ -123,11 +131,14 @@ def write_ktx_checkpoint(
     """Writes `params` (checked against `config`, a `T5Config` or `BertConfig`) as a ktx
     checkpoint directory (step 0, `model.gin`); all or nothing (`out` must be new or empty)."""
     from ktx.checkpoints import CheckpointManager
-    from ktx.convert import hf_bert
+    from ktx.convert import camtl, hf_bert
     from ktx.trainer import TrainState
 
     flat = {k: np.asarray(v, np.float32) for k, v in layout.flatten(params).items()}
-    if isinstance(config, hf_bert.BertConfig):
+    if isinstance(config, camtl.CaMtlCheckpointConfig):
+        camtl.check_params(flat, config, where=source or "the parameters")
+        gin_text, meta = camtl.model_gin(config, source), {"camtl_config": camtl.config_to_dict(config)}
+    elif isinstance(config, hf_bert.BertConfig):
         hf_bert.check_params(flat, config, where=source or "the parameters")
         gin_text, meta = hf_bert.model_gin(config, source), {"bert_config": hf_bert.config_to_dict(config)}
     else:
