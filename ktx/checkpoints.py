@@ -3,7 +3,7 @@
 A run directory holds `checkpoints/<step>/` with two items: `state` (an orbax PyTree:
 `step`, `params` by parameter path, `opt_state` as its flattened leaves `"0"`,
 `"1"`, ...) and `meta` (JSON: step, task names, anything the caller adds). The data
-position is the step (interface §3: the input is a pure function of the step), so
+position is the step (`ktx.train.TrainInput`: the input is a pure function of the step), so
 restoring the state restores the data position.
 
 * `CheckpointManager`: save every `save_period` steps, keep the newest `keep`, force a
@@ -29,12 +29,12 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from ktx.optimizers import param_path
+from ktx.run_dir import RunDir
 from ktx.summaries import quiet_absl
 from ktx.trainer import TrainState
+from ktx.treepath import name as param_path
 
 __all__ = [
-    "CHECKPOINTS_SUBDIR",
     "CheckpointShapeError",
     "CorruptCheckpointError",
     "CheckpointManager",
@@ -46,7 +46,6 @@ __all__ = [
     "saved_param_shapes",
 ]
 
-CHECKPOINTS_SUBDIR = "checkpoints"
 _log = logging.getLogger(__name__)
 
 
@@ -158,15 +157,15 @@ def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> path
     p = pathlib.Path(path).expanduser().absolute()
     if (p / "state").is_dir():
         return p
-    if (p / CHECKPOINTS_SUBDIR).is_dir():
-        p = p / CHECKPOINTS_SUBDIR
+    if RunDir(p).checkpoints.is_dir():
+        p = RunDir(p).checkpoints
     if not p.is_dir():
         raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
     steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit() and (c / "state").is_dir())
     if not steps:
         raise FileNotFoundError(
             f"no checkpoint in {str(path)!r}: expected a run directory with "
-            f"{CHECKPOINTS_SUBDIR}/<step>/state, a checkpoints directory, or a step directory"
+            f"{RunDir.CHECKPOINTS}/<step>/state, a checkpoints directory, or a step directory"
         )
     if step is None:
         return p / str(steps[-1])
@@ -197,7 +196,7 @@ class CheckpointManager:
             raise ValueError(f"save_period={save_period!r}; accepted: an integer >= 1")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r}; accepted: None (keep all) or an integer >= 1")
-        self.directory = pathlib.Path(model_dir).expanduser().absolute() / CHECKPOINTS_SUBDIR
+        self.directory = RunDir(model_dir).checkpoints
         self.save_period = save_period
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,

@@ -36,6 +36,8 @@ import re
 import sys
 from collections.abc import Sequence
 
+from ktx.run_dir import RunDir
+
 __all__ = [
     "GinConfigError", "main", "parse_gin", "build_parser", "check_required_macros", "DEFAULT_GIN_DIR",
     "PATH_MACROS", "absolute_path", "gin_search_path",
@@ -57,34 +59,76 @@ class GinConfigError(ValueError):
     """A gin file or `--gin.` binding is wrong; the message says where and what."""
 
 
+_HELP = {
+    "train": "train a gin-configured model (MODEL_DIR, MIXTURE_OR_TASK_NAME, TRAIN_STEPS, ...)",
+    "eval": "evaluate every (or the selected) checkpoint of MODEL_DIR offline",
+    "infer": "decode a split with a checkpoint and write the predictions",
+    "params": "count a gin-configured model's parameters from shapes",
+    "analyze": "`gradients RUN_DIR` (per-task gradient magnitudes) or `attention`",
+    "import": "SRC OUT: a ktx checkpoint directory from hf:DIR, t5x:DIR or camtl:DIR",
+    "export": "SRC OUT: a run's checkpoint as hf:DIR or conditioning:FILE",
+    "precompile": "compile the train step for a TPU topology; per-chip memory and FLOPs",
+}
+_GIN_COMMANDS = ("train", "eval", "infer", "params", "analyze", "precompile")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """`ktx COMMAND [flags]`: one sub-parser per command with only its own flags
+    (`ktx eval --help`); `--gin.NAME=VALUE` bindings are taken out before parsing."""
     parser = argparse.ArgumentParser(prog="ktx", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=COMMANDS)
-    parser.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
-    parser.add_argument("--gin_search_paths", default="", help="comma-separated folders")
-    parser.add_argument("--multihost", action="store_true", help="jax.distributed.initialize()")
-    parser.add_argument("--topology", default=None,
-                        help="precompile: a TPU topology as JAX names it (v4:4x4x4, v5e:16x16) or cpu")
-    parser.add_argument("--debug", action="store_true",
-                        help="let a run-time error raise with its traceback")
-    parser.add_argument(
-        "--coordinator_address", default=None,
-        help="--multihost off a managed cluster: host:port of process 0",
-    )
-    parser.add_argument("--num_processes", type=int, default=None, help="with --coordinator_address")
-    parser.add_argument("--process_id", type=int, default=None, help="with --coordinator_address")
-    parser.add_argument("args", nargs="*", help="analyze: `gradients RUN_DIR` or `attention`; "
-                        "import: SRC OUT; export: SRC OUT")
-    parser.add_argument("--out", default=None, help="analyze: output file")
-    parser.add_argument("--checkpoint", default=None,
-                        help="analyze attention: a step of MODEL_DIR, or a checkpoint path; "
-                        "export: the step (default: latest)")
-    parser.add_argument("--task", default=None, help="analyze attention: a task of the mixture")
-    parser.add_argument("--out_dir", default=None, help="analyze attention: JSON + PNG folder")
-    parser.add_argument("--split", default="validation", help="analyze attention: split")
-    parser.add_argument("--max_examples", type=int, default=100,
-                        help="analyze attention: examples averaged (He et al., 2022: 100)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {}
+    for name in COMMANDS:
+        commands[name] = c = sub.add_parser(name, help=_HELP[name], description=_HELP[name])
+        c.add_argument("--debug", action="store_true",
+                       help="let a run-time error raise with its traceback")
+        if name in _GIN_COMMANDS:
+            c.add_argument("--gin_file", action="append", default=[],
+                           help="gin file (repeatable; later files override)")
+            c.add_argument("--gin_search_paths", default="", help="comma-separated folders")
+        if name in ("train", "eval", "infer"):
+            c.add_argument("--multihost", action="store_true", help="jax.distributed.initialize()")
+            c.add_argument("--coordinator_address", default=None,
+                           help="--multihost off a managed cluster: host:port of process 0")
+            c.add_argument("--num_processes", type=int, default=None,
+                           help="with --coordinator_address")
+            c.add_argument("--process_id", type=int, default=None,
+                           help="with --coordinator_address")
+    commands["precompile"].add_argument(
+        "--topology", default=None,
+        help="a TPU topology as JAX names it (v4:4x4x4, v5e:16x16) or cpu")
+    a = commands["analyze"]
+    a.add_argument("args", nargs="+", help="`gradients RUN_DIR` or `attention`")
+    a.add_argument("--out", default=None, help="gradients: output PNG")
+    a.add_argument("--checkpoint", default=None,
+                   help="attention: a step of MODEL_DIR, or a checkpoint path")
+    a.add_argument("--task", default=None, help="attention: a task of the mixture")
+    a.add_argument("--out_dir", default=None, help="attention: JSON + PNG folder")
+    a.add_argument("--split", default="validation", help="attention: split")
+    a.add_argument("--max_examples", type=int, default=100,
+                   help="attention: examples averaged (He et al., 2022: 100)")
+    commands["import"].add_argument("args", nargs="*", metavar="SRC OUT",
+                                    help="hf:DIR|t5x:DIR|camtl:DIR, then the output folder")
+    e = commands["export"]
+    e.add_argument("args", nargs="*", metavar="SRC OUT",
+                   help="a run or checkpoint directory, then hf:DIR or conditioning:FILE")
+    e.add_argument("--checkpoint", default=None, help="the step (default: the latest)")
     return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`build_parser().parse_args(argv)`, with every command's namespace holding every
+    attribute (flags of other commands at their defaults), so the runners need not ask."""
+    args = build_parser().parse_args(argv)
+    for name, value in _DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
+
+
+_DEFAULTS = dict(args=[], gin_file=[], gin_search_paths="", multihost=False, topology=None,
+                 coordinator_address=None, num_processes=None, process_id=None, out=None,
+                 checkpoint=None, task=None, out_dir=None, split="validation", max_examples=100)
 
 
 _ANALYZE_USAGE = (
@@ -105,7 +149,7 @@ def _analyze(args, bindings: Sequence[tuple[str, str]] = ()) -> int:
 
     run_dir = pathlib.Path(absolute_path(args.args[1]))
     out = pathlib.Path(absolute_path(args.out)) if args.out else run_dir / "gradient_magnitudes.png"
-    path = plot_gradient_magnitudes(run_dir / "metrics.jsonl", out)
+    path = plot_gradient_magnitudes(RunDir(run_dir).metrics, out)
     print(f"wrote {path}")
     return 0
 
@@ -132,9 +176,9 @@ def _analyze_attention(args, bindings: Sequence[tuple[str, str]]) -> int:
     if unset:
         raise GinConfigError(f"ktx analyze attention needs the gin macros {unset} (include a model "
                              "file and runs/train.gin, set them with --gin.NAME=...)")
-    import ktx.tasks  # noqa: F401  (registers the tasks)
     import seqio
 
+    import ktx.tasks  # noqa: F401  (registers the tasks)
     from ktx.analysis import attention
     from ktx.data import feature_converter as fc
     from ktx.data.pipeline import mixture_task_names
@@ -267,7 +311,6 @@ def _resolve_selector(selector: str, files: Sequence[pathlib.Path]):
 
 def _close_names(message: str, files: Sequence[pathlib.Path] = ()) -> list[str]:
     """Close names for the unknown thing a gin error names."""
-    import gin
 
     m = re.search(r"No configurable matching '([^']+)'", message)
     if m:
@@ -559,7 +602,7 @@ def _call_entry(command: str, files, bindings, extra_kwargs=None):
         raise
 
 
-def _write_config(model_dir, name: str = "config.gin") -> None:
+def _write_config(model_dir) -> None:
     import gin
 
     if model_dir is None:
@@ -568,9 +611,7 @@ def _write_config(model_dir, name: str = "config.gin") -> None:
 
     if jax.process_index() != 0:
         return
-    d = pathlib.Path(model_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / name).write_text(gin.operative_config_str())
+    RunDir(model_dir).makedirs().config.write_text(gin.operative_config_str())
 
 
 def _resolve_reference(value):
@@ -587,7 +628,6 @@ def _precompile_command(args) -> int:
     (`runs/train.gin` + model + conditioning + optim files) compiled ahead of time for a
     TPU topology (`ktx.precompile`); exit 3 when it does not fit the chips' HBM."""
     import gin
-
     import ktx.train
     from ktx import precompile as precompile_lib
 
@@ -623,7 +663,6 @@ def _precompile_command(args) -> int:
 
 def _params_command(files, bindings) -> None:
     import gin
-
     from ktx import params as params_lib
 
     ref = _query_macro("MODEL")
@@ -681,7 +720,7 @@ def _report_failure(e: BaseException, command: str) -> None:
     for folder in ([model_dir] if isinstance(model_dir, str) else []) + [tempfile.gettempdir()]:
         try:
             pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
-            log = pathlib.Path(folder) / "ktx_error.log"
+            log = RunDir(folder).error_log
             log.write_text(trace)
             break
         except OSError:
@@ -698,10 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GinConfigError as e:
         print(f"ktx: {e}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(rest)
-    if args.args and args.command not in ("analyze", "import", "export"):
-        print(f"ktx {args.command}: unexpected arguments {args.args}", file=sys.stderr)
-        return 2
+    args = parse_args(rest)
     try:
         return _run(args, bindings)
     except GinConfigError as e:
@@ -752,8 +788,8 @@ def _convert_command(args) -> int:
         return 0
     config = None
     src_dir = pathlib.Path(src)
-    run_gin = next((d / "config.gin" for d in (src_dir, *src_dir.parents[:2])
-                    if (d / "config.gin").is_file()), None)
+    run = RunDir.containing(src_dir)
+    run_gin = None if run is None else run.config
     if run_gin is not None:  # the run's operative config: the model it trained
         import gin
 
@@ -810,7 +846,7 @@ def _run(args, bindings) -> int:
         from ktx.eval import format_table
 
         summary = _call_entry("eval", files, bindings)
-        _write_config(pathlib.Path(model_dir) / "eval" if model_dir else None)
+        _write_config(RunDir(model_dir).eval if model_dir else None)
         print(format_table(summary))
     else:
         _call_entry("infer", files, bindings)

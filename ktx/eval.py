@@ -18,24 +18,25 @@ import dataclasses
 import functools
 import logging
 import os
-import pathlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from ktx import partitioning
-from ktx.checkpoints import CHECKPOINTS_SUBDIR, restore_params_skipping_corrupt
+from ktx.checkpoints import restore_params_skipping_corrupt
 from ktx.models.base import BaseModel
+from ktx.run_dir import RunDir
 from ktx.summaries import MetricsWriter, per_task_metrics, quiet_absl
 from ktx.trainer import Trainer
 
 __all__ = [
     "teacher_forced_eval",
     "DecodeEvaluator",
+    "Evaluator",
+    "TeacherForcedEvaluator",
     "EvalSummary",
     "evaluate",
     "format_table",
@@ -89,6 +90,65 @@ def teacher_forced_eval(
         if "loss_sum" in row:
             row.pop("loss_sum")
     return by_task
+
+
+class Evaluator(Protocol):
+    """An in-run evaluation (`ktx.train.train`'s `evaluators`, run every `eval_period`
+    steps): scores `params` at `step`, writes its own split to `writer`, and returns
+    `{task: {metric: value}}` (higher is better for early stopping). `title` names it
+    in the console (`"<title> at step <n>:"`).
+
+    Implementations: `DecodeEvaluator` (SeqIO decoding, each benchmark's metrics),
+    `TeacherForcedEvaluator` (the model's own aux sums without decoding),
+    `ktx.ranking_eval.RankingEvaluator` (full ranking of the recommendation model).
+    """
+
+    title: str
+
+    def __call__(self, *, trainer: Trainer, params: Any, step: int,
+                 writer: MetricsWriter | None = None) -> Mapping[str, Mapping[str, float]]:
+        ...
+
+
+class TeacherForcedEvaluator:
+    """Teacher-forced scores of every task's `split` (`teacher_forced_eval`): the model's
+    aux sums (loss, accuracy, ...) without decoding.
+
+    Args:
+      eval_input: an input with `eval_batches(task, split, batch_size)` (e.g.
+        `ktx.data.pipeline.MultiTaskInput`); None: the run's training input
+        (`use_train_input`, called by the train loop).
+      split: the split to score.
+      batch_size: global batch size (None: the training batch size).
+    """
+
+    def __init__(self, eval_input: Any = None, *, split: str = "validation",
+                 batch_size: int | None = None):
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+                batch_size, int) or batch_size < 1):
+            raise ValueError(f"TeacherForcedEvaluator.batch_size={batch_size!r}; accepted: an "
+                             "integer >= 1, or None (the training batch size)")
+        self.eval_input, self.split, self.batch_size = eval_input, split, batch_size
+        self.title = f"{split} (teacher-forced)"
+
+    def use_train_input(self, train_input: Any, global_batch_size: int) -> None:
+        """Defaults from the run: its input (when none was given) and batch size."""
+        if self.eval_input is None:
+            self.eval_input = train_input
+        if self.batch_size is None:
+            self.batch_size = global_batch_size
+
+    def __call__(self, *, trainer: Trainer, params: Any, step: int,
+                 writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
+        if self.eval_input is None or self.batch_size is None:
+            raise ValueError("TeacherForcedEvaluator: no eval_input/batch_size; give them, or "
+                             "run it inside ktx.train.train (which supplies the run's)")
+        names = tuple(self.eval_input.task_names)
+        results = teacher_forced_eval(trainer, params, self.eval_input, names,
+                                      split=self.split, batch_size=self.batch_size)
+        if writer is not None:
+            writer.write_tasks(step, self.split, results)
+        return results
 
 
 def make_predict_fn(model: BaseModel, trainer: Trainer, **decode_kwargs):
@@ -169,6 +229,7 @@ class DecodeEvaluator:
         self._predict = None
         self._score = None
         self._trainer = None
+        self.title = "evaluation"
 
     def _build(self):
         import seqio
@@ -293,7 +354,7 @@ def format_table(summary: EvalSummary) -> str:
 
 def checkpoint_steps_of(model_dir: str | os.PathLike) -> list[int]:
     """Saved steps under `<model_dir>/checkpoints`, ascending."""
-    d = pathlib.Path(model_dir) / CHECKPOINTS_SUBDIR
+    d = RunDir(model_dir).checkpoints
     if not d.is_dir():
         raise FileNotFoundError(f"{str(d)!r} does not exist: MODEL_DIR={str(model_dir)!r} has no checkpoints")
     return sorted(int(c.name) for c in d.iterdir() if c.name.isdigit() and (c / "state").is_dir())
@@ -302,7 +363,7 @@ def checkpoint_steps_of(model_dir: str | os.PathLike) -> list[int]:
 def select_checkpoint_steps(model_dir, checkpoint_steps) -> list[int]:
     saved = checkpoint_steps_of(model_dir)
     if not saved:
-        raise FileNotFoundError(f"no checkpoints in {model_dir}/{CHECKPOINTS_SUBDIR}")
+        raise FileNotFoundError(f"no checkpoints in {RunDir(model_dir).checkpoints}")
     if checkpoint_steps in ("all", None):
         return saved
     if checkpoint_steps == "latest":
@@ -358,7 +419,7 @@ def evaluate(
         task_names, task_feature_lengths, split=split, batch_size=batch_size,
         num_examples=num_examples, decode_method=decode_method, num_beams=num_beams, alpha=alpha,
     )
-    writer = MetricsWriter(output_dir or pathlib.Path(model_dir) / "eval")
+    writer = MetricsWriter(output_dir or RunDir(model_dir).eval)
     summary = EvalSummary(metrics={}, scores={})
     try:
         for step, params in restore_params_skipping_corrupt(model_dir, steps, abstract):

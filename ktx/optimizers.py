@@ -1,11 +1,17 @@
-"""Optimizers, learning-rate schedules and parameter freezing for the ktx trainer.
+"""Optimizers, learning-rate schedules, parameter freezing, and `TaskOptimizer`: the one
+object the train step updates parameters with.
 
-Everything here returns plain optax objects, so gin can compose them and the trainer
-only ever sees an `optax.GradientTransformation` plus a schedule (for logging):
+The factories return plain optax objects, so gin can compose them:
 
     schedule = rsqrt_schedule(base_learning_rate=1.0, warmup_steps=10_000)
     tx = adafactor(learning_rate=schedule)                  # T5X's default optimizer
     tx = freeze(tx, frozen=[r"encoder/.*"])                 # frozen params get 0 updates
+
+`TaskOptimizer(tx, balancer=None, schedule=None, frozen=())` is what `ktx.trainer` holds:
+the optimizer, an optional `ktx.optim` balancer in front of it (per-task gradients -> one
+gradient), the schedule (only to report the learning rate) and the frozen patterns.
+Its state is the optimizer's, or `(balancer_state, optimizer_state)` with a balancer
+(the state of `optax.chain(balancer, tx)`; `as_optax()` returns that chain).
 
 Gradient accumulation over microbatches lives in the train step (`ktx.trainer`): it
 sums exact per-microbatch loss gradients normalized by the whole batch, which matches
@@ -14,6 +20,7 @@ the full-batch gradient for every loss normalization.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+
+from ktx import treepath
 
 __all__ = [
     "Schedule",
@@ -30,10 +39,9 @@ __all__ = [
     "adafactor",
     "adamw",
     "sgd",
-    "param_path",
-    "param_paths",
     "frozen_mask",
     "freeze",
+    "TaskOptimizer",
 ]
 
 Schedule = Callable[[jax.Array | int], jax.Array]
@@ -148,23 +156,6 @@ def sgd(learning_rate: float | Schedule = 1e-2, momentum: float | None = None):
     return optax.sgd(learning_rate, momentum=momentum)
 
 
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def param_path(path: Sequence[Any]) -> str:
-    """A tree path as a '/'-joined string, e.g. `encoder/layers_0/mlp/wi_0/kernel`."""
-    return "/".join(_key_name(k) for k in path)
-
-
-def param_paths(params: Any) -> list[str]:
-    """'/'-joined paths of every leaf of `params`, in tree order."""
-    return [param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-
 def frozen_mask(params: Any, frozen: Sequence[str]) -> Any:
     """A pytree of bools like `params`: True where a path fully matches a pattern.
 
@@ -179,7 +170,7 @@ def frozen_mask(params: Any, frozen: Sequence[str]) -> Any:
             compiled.append(re.compile(pattern))
         except re.error as e:
             raise ValueError(f"frozen pattern {pattern!r} is not a valid regex: {e}") from e
-    paths = param_paths(params)
+    paths = treepath.names(params)
     for pattern, rx in zip(frozen, compiled):
         if not any(rx.fullmatch(p) for p in paths):
             raise ValueError(
@@ -187,7 +178,7 @@ def frozen_mask(params: Any, frozen: Sequence[str]) -> Any:
                 f"look like {paths[:5]}"
             )
     return jax.tree_util.tree_map_with_path(
-        lambda p, _: any(rx.fullmatch(param_path(p)) for rx in compiled), params
+        lambda p, _: any(rx.fullmatch(treepath.name(p)) for rx in compiled), params
     )
 
 
@@ -203,3 +194,81 @@ def freeze(tx: optax.GradientTransformation, frozen: Sequence[str] = ()) -> Any:
         return jax.tree.map(lambda m: "frozen" if m else "trainable", mask)
 
     return optax.multi_transform({"trainable": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TaskOptimizer:
+    """The optimizer of a multi-task train step.
+
+    Args:
+      optimizer: an optax transformation (a `ktx.optimizers` factory's result).
+      balancer: an optional `ktx.optim` balancer (a `GradientTransformationExtraArgs`
+        taking a `TaskGradients` and `task_losses=`, `task_present=`). With one, the step
+        computes per-task gradients and `update` combines them before `optimizer`.
+      schedule: the learning-rate schedule (or a number), reported as `learning_rate`.
+      frozen: regexes of parameter names (`ktx.treepath`) that get no update and no
+        optimizer state (`freeze`), e.g. a model's `frozen_patterns`.
+    """
+
+    optimizer: optax.GradientTransformation
+    balancer: Any = None
+    schedule: Any = None
+    frozen: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not hasattr(self.optimizer, "init") or not hasattr(self.optimizer, "update"):
+            raise TypeError(f"optimizer={self.optimizer!r} is not an optax GradientTransformation")
+        if self.balancer is not None and not (
+                hasattr(self.balancer, "init") and hasattr(self.balancer, "update")):
+            raise TypeError(f"balancer={self.balancer!r} is not a ktx.optim balancer "
+                            "(an optax GradientTransformationExtraArgs)")
+        if isinstance(self.frozen, str):
+            raise TypeError(f"frozen={self.frozen!r} must be a list of regexes, not a string")
+        object.__setattr__(self, "frozen", tuple(self.frozen or ()))
+        # A learning rate given as a number (optax accepts one) is reported as constant.
+        if self.schedule is not None and not callable(self.schedule):
+            object.__setattr__(self, "schedule", optax.constant_schedule(float(self.schedule)))
+        object.__setattr__(self, "_frozen_tx", freeze(self.optimizer, self.frozen))
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the step computes per-task gradients (a balancer is set)."""
+        return self.balancer is not None
+
+    @property
+    def _tx(self) -> optax.GradientTransformation:
+        return self._frozen_tx
+
+    def as_optax(self) -> optax.GradientTransformation:
+        """The whole update as one optax transformation (`chain(balancer, optimizer)`)."""
+        return optax.chain(self.balancer, self._tx) if self.balanced else self._tx
+
+    def init(self, params: Any) -> Any:
+        """The optimizer state: `optimizer.init(params)`, or `(balancer_state,
+        optimizer_state)` with a balancer (the layout of `as_optax().init`)."""
+        if self.balanced:
+            return (self.balancer.init(params), self._tx.init(params))
+        return self._tx.init(params)
+
+    def update(
+        self, gradients: Any, state: Any, params: Any, *,
+        task_losses: jax.Array | None = None, task_present: jax.Array | None = None,
+    ) -> tuple[Any, Any, Any]:
+        """`(gradient, updates, state)`: the gradient the optimizer saw (the balanced one
+        for per-task `gradients`, which a balanced optimizer requires), the parameter
+        updates, and the new state."""
+        if not self.balanced:
+            updates, state = self._tx.update(gradients, state, params)
+            return gradients, updates, state
+        balancer_state, optimizer_state = state
+        grads, balancer_state = self.balancer.update(
+            gradients, balancer_state, params, task_losses=task_losses,
+            task_present=task_present)
+        updates, optimizer_state = self._tx.update(grads, optimizer_state, params)
+        return grads, updates, (balancer_state, optimizer_state)
+
+    def learning_rate(self, step: jax.Array) -> jax.Array:
+        """The scheduled learning rate at `step` (0 when no schedule was given)."""
+        if self.schedule is None:
+            return jnp.zeros((), jnp.float32)
+        return jnp.asarray(self.schedule(step), jnp.float32)

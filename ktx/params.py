@@ -19,6 +19,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from ktx import treepath
+
 __all__ = [
     "CONDITIONING_SCOPE",
     "count_parameters",
@@ -36,18 +38,11 @@ def is_conditioning_path(path: tuple[str, ...]) -> bool:
     return CONDITIONING_SCOPE in path
 
 
-def _path_names(path) -> tuple[str, ...]:
-    names = []
-    for k in path:
-        names.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
-    return tuple(names)
-
-
 def count_tree(tree: Any) -> dict[tuple[str, ...], int]:
     """`{path: number of elements}` for every array-like leaf (`nn.Partitioned` unboxed)."""
     tree = nn.meta.unbox(tree)
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_path_names(p): int(np.prod(leaf.shape, dtype=np.int64)) for p, leaf in leaves}
+    return {tuple(treepath.name(p).split("/")): int(np.prod(leaf.shape, dtype=np.int64)) for p, leaf in leaves}
 
 
 def hyperprompt_global_closed_form(

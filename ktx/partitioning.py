@@ -52,7 +52,6 @@ __all__ = [
     "data_sharding",
     "replicated_sharding",
     "host_local_to_global",
-    "global_to_host_local",
 ]
 
 AxisRules = Sequence[tuple[str, str | None]]
@@ -177,29 +176,17 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def host_local_to_global(
-    batch: Mapping[str, np.ndarray], mesh: Mesh
+    batch: Mapping[str, np.ndarray], mesh: Mesh, batch_axis: int = 0
 ) -> dict[str, jax.Array]:
     """Assembles each process's rows of a batch into global `jax.Array`s.
 
     Every process passes its own contiguous slice of the global batch (rows
-    `[process_index * n, (process_index + 1) * n)`); with one process this is the
-    whole batch.
+    `[process_index * n, (process_index + 1) * n)` of axis `batch_axis`, split over the
+    `data` mesh axis; `batch_axis=1` for `[K, B, ...]` blocks of K steps' batches); with
+    one process this is the whole batch.
     """
-    sharding = data_sharding(mesh)
+    sharding = NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), DATA))
     return {
         k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
         for k, v in batch.items()
     }
-
-
-def global_to_host_local(tree: Any) -> Any:
-    """Fetches the addressable part of global arrays as numpy (for eval/infer)."""
-
-    def fetch(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
-
-    return jax.tree.map(fetch, tree)

@@ -1,7 +1,7 @@
 """Full-ranking evaluation of recommendation runs, in the training loop and offline.
 
-`RankingEvaluator` is an in-run evaluator for `ktx.train.train` (its
-`decode_evaluator_fn` hook, like `ktx.eval.DecodeEvaluator` for T5 runs): at every
+`RankingEvaluator` is an in-run evaluator for `ktx.train.train` (one of its
+`evaluators`, like `ktx.eval.DecodeEvaluator` for T5 runs): at every
 evaluation step it ranks all items for the users of one held-out split
 (`ktx.metrics.ranking.full_ranking`, the model's target tower), writes the metrics to
 `metrics.jsonl`/TensorBoard under the split `<split>_ranking`, and returns them as
@@ -19,7 +19,6 @@ paper's protocol, He et al., 2022).
 from __future__ import annotations
 
 import os
-import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +28,10 @@ import optax
 from ktx import partitioning
 from ktx.checkpoints import restore_params_skipping_corrupt
 from ktx.data.recsys import MultiBehaviorData, subsample_users, training_exclusions
-from ktx.eval import EvalSummary, select_checkpoint_steps, abstract_params_for
+from ktx.eval import EvalSummary, abstract_params_for, select_checkpoint_steps
 from ktx.metrics.ranking import full_ranking
 from ktx.models.base import BaseModel
+from ktx.run_dir import RunDir
 from ktx.summaries import MetricsWriter
 from ktx.trainer import Trainer
 
@@ -41,8 +41,8 @@ SPLITS = ("validation", "test")
 
 
 class RankingEvaluator:
-    """Ranks every item for the users of `split` (interface of `ktx.train`'s in-run
-    evaluator: `__call__(trainer=, params=, step=, writer=) -> {task: {metric: value}}`).
+    """Ranks every item for the users of `split` (a `ktx.eval.Evaluator`:
+    `__call__(trainer=, params=, step=, writer=) -> {target: {metric: value}}`).
 
     Args:
       data: the run's `MultiBehaviorData` (held-out pairs and training pairs).
@@ -74,6 +74,7 @@ class RankingEvaluator:
         self.heldout = subsample_users(getattr(data, split), max_users)
         self.exclude = training_exclusions(data, exclude)
         self.user_chunk, self.item_block = user_chunk, item_block
+        self.title = "evaluation"
 
     def rank(self, model: Any, params: Any) -> dict[str, float]:
         """Mean metrics of `model` (a `ktx.metrics.ranking.RankingScorer`) at `params`."""
@@ -141,7 +142,7 @@ def evaluate(
     mesh = partitioning.create_mesh(num_partitions)
     trainer = Trainer(model, optax.identity(), mesh=mesh)
     abstract = abstract_params_for(model, trainer, 2, None)
-    writer = MetricsWriter(output_dir or pathlib.Path(model_dir) / "eval")
+    writer = MetricsWriter(output_dir or RunDir(model_dir).eval)
     summary = EvalSummary(metrics={}, scores={})
     target = data.target
     try:

@@ -6,7 +6,7 @@
 `<split>/<metric>` (task "all") or `<split>/<metric>/<task>`. Only process 0 writes.
 
 `per_task_metrics` turns the trainer's `[T]` sums into per-task means: metric `m` of
-task `t` is `aux[m][t] / aux["weight"][t]` (interface §2).
+task `t` is `aux[m][t] / aux["weight"][t]` (the `[T]` sums of `ktx.models.base.BaseModel.loss_sums`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
+from ktx.run_dir import RunDir
+
 __all__ = [
-    "METRICS_FILE",
     "MetricsWriter",
     "ProgressLogger",
     "per_task_metrics",
@@ -34,7 +35,6 @@ __all__ = [
     "read_metrics",
 ]
 
-METRICS_FILE = "metrics.jsonl"
 
 
 class _DropPrefixes(logging.Filter):
@@ -114,7 +114,7 @@ class MetricsWriter:
         self._file: TextIO | None = None
         if self.is_chief:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.directory / METRICS_FILE, "a", encoding="utf-8")
+            self._file = open(RunDir(self.directory).metrics, "a", encoding="utf-8")
             if tensorboard:
                 from clu import metric_writers
 
@@ -160,7 +160,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The records of a `metrics.jsonl` file (raises ValueError naming a bad line)."""
     path = pathlib.Path(path)
     if path.is_dir():
-        path = path / METRICS_FILE
+        path = RunDir(path).metrics
     records = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

@@ -3,24 +3,20 @@
 The loop (T5X style): build the mesh and the sharded state; resume from the latest
 checkpoint in `model_dir` (or start from `initial_checkpoint_path`'s params); then for
 each step `s` take `train_input.get_batch(s)` (a pure function of the step, so resuming
-at step s continues the data stream exactly), run the compiled step, and every
-`log_period` steps fetch the metrics, stop on a non-finite loss (naming the first bad
-step), write `metrics.jsonl`/TensorBoard and print the progress line. Checkpoints are
-written only after the metrics of every step up to them were checked finite, so the
-last checkpoint of a run stopped by a NaN is a good one.
+at step s continues the data stream exactly) and run the compiled step. The periodic
+actions after a step are `ktx.hooks`: metrics every `log_period` steps (stopping on a
+non-finite loss), checkpoints, and the run's evaluators with early stopping.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import pathlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -28,30 +24,55 @@ import optax
 
 from ktx import partitioning
 from ktx.checkpoints import CheckpointManager, load_initial_params
+from ktx.hooks import (
+    Checkpointing,
+    EarlyStopping,
+    Evaluation,
+    NonFiniteLossError,
+    TrainMetrics,
+)
 from ktx.models.base import BaseModel
-from ktx.summaries import MetricsWriter, ProgressLogger, per_task_metrics
+from ktx.optimizers import TaskOptimizer
+from ktx.run_dir import RunDir
+from ktx.summaries import MetricsWriter
 from ktx.trainer import Trainer, TrainState
 
-__all__ = ["NonFiniteLossError", "Prefetcher", "EarlyStopping", "train", "check_input"]
+__all__ = ["TrainInput", "check_train_input", "NonFiniteLossError", "Prefetcher", "EarlyStopping",
+           "train"]
 
 _log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or Inf; the message names the step."""
+@runtime_checkable
+class TrainInput(Protocol):
+    """What the training loop reads: this process's rows of the global batch of each step.
+
+    `get_batch(step)` is a pure function of the step (a resumed run continues the data
+    stream exactly) returning `{feature: [B_host, ...]}` with an int32 `task_id`;
+    `task_counts(step)` gives the rows per task of a task-partitioned batch (rows of task
+    t contiguous, tasks in id order; the balanced step's blocks), or None for a sampled
+    batch. `task_names` are in `task_id` order. Optional: `steps_per_epoch` (periods in
+    epochs) and `eval_batches(task, split, batch_size)` (`ktx.eval.TeacherForcedEvaluator`).
+    Implementations: `ktx.data.pipeline.MultiTaskInput` (SeqIO tasks and mixtures),
+    `ktx.data.recsys.RecsysTrainInput`.
+    """
+
+    task_names: Sequence[str]
+    num_tasks: int
+
+    def get_batch(self, step: int) -> dict[str, np.ndarray]: ...
+
+    def task_counts(self, step: int) -> Sequence[int] | None: ...
 
 
-def check_input(train_input: Any) -> None:
-    """Raises TypeError naming what `train_input` lacks from interface §3."""
-    missing = [
-        name for name in ("task_names", "num_tasks", "get_batch", "task_counts")
-        if not hasattr(train_input, name)
-    ]
+def check_train_input(train_input: Any) -> None:
+    """Raises TypeError naming what `train_input` lacks from `TrainInput`."""
+    missing = [name for name in ("task_names", "num_tasks", "get_batch", "task_counts")
+               if not hasattr(train_input, name)]
     if missing:
         raise TypeError(
-            f"train_input={train_input!r} lacks {missing}; a training input needs "
-            f"task_names, num_tasks, get_batch(step) and task_counts(step)"
-        )
+            f"train_input={train_input!r} lacks {missing}; a ktx.train.TrainInput has "
+            "task_names, num_tasks, get_batch(step) and task_counts(step)")
 
 
 def _host_rows(batch) -> int:
@@ -108,24 +129,13 @@ class Prefetcher:
         self._thread.join(timeout=10)
 
 
-def _print_results(title: str, results: dict) -> None:
-    if jax.process_index() != 0:
-        return
-    print(title + ":", flush=True)
-    for task, metrics in results.items():
-        shown = ", ".join(
-            f"{k} {v:.4g}" for k, v in metrics.items() if k not in ("weight", "examples")
-        )
-        print(f"  {task}: {shown}", flush=True)
-
-
 def train(
     *,
     model: BaseModel,
-    train_input: Any,
+    train_input: TrainInput,
     model_dir: str | os.PathLike,
+    optimizer: TaskOptimizer | optax.GradientTransformation,
     train_steps: int | None = None,
-    optimizer: optax.GradientTransformation,
     train_epochs: int | None = None,
     schedule: Any = None,
     balancer: Any = None,
@@ -143,12 +153,8 @@ def train(
     keep_checkpoints: int | None = None,
     async_checkpoints: bool = False,
     initial_checkpoint_path: str | None = None,
-    eval_period: int = 0,
-    eval_split: str = "validation",
-    eval_batch_size: int | None = None,
-    eval_input: Any = None,
-    decode_eval_period: int | str = 0,
-    decode_evaluator_fn: Callable[..., Any] | None = None,
+    evaluators: Sequence[Any] = (),
+    eval_period: int | str = 0,
     early_stopping_metric: str | None = None,
     early_stopping_patience: int = 0,
     started_callback: Callable[[], None] | None = None,
@@ -159,35 +165,31 @@ def train(
 
     Args:
       model: a `BaseModel`.
-      train_input: interface §3 (`get_batch(step)`, `task_names`, `task_counts(step)`).
-      model_dir: the run directory (checkpoints/, metrics.jsonl, TensorBoard events).
+      train_input: a `ktx.data.pipeline.TrainInput`.
+      model_dir: the run directory (`ktx.run_dir.RunDir`).
+      optimizer: a `ktx.optimizers.TaskOptimizer`, or an optax transformation completed
+        by `schedule` (only reported) and `balancer` (a `ktx.optim` balancer: per-task
+        gradient path).
       train_steps: the step to stop at (T5X's TRAIN_STEPS).
       train_epochs: instead of `train_steps`, stop after this many epochs of an input
         that defines `steps_per_epoch` (e.g. `ktx.data.recsys.RecsysTrainInput`).
-      optimizer, schedule: from `ktx.optimizers` (schedule only for reporting).
-      balancer: optional `ktx.optim` balancer (per-task gradient path).
       num_partitions: model-parallel size (NUM_PARTITIONS); the rest is data-parallel.
-      num_microbatches: gradient accumulation.
-      sparse_tables: regexes of embedding tables whose per-task gradients stay sparse
-        on the balanced path (see `ktx.trainer.Trainer`).
+      num_microbatches, grad_method, shared, sparse_tables, target_task: the step's
+        `ktx.trainer.StepOptions`.
+      log_diagnostics: balanced runs: log per-task gradient norms, cosines (against
+        `target_task`) and MetaBalance weights at every log step.
       seed: parameter init and dropout keys.
       log_period: steps between metric fetches / NaN checks / progress lines.
-      target_task: the balancer's target task (gin: TARGET_TASK), which the logged
-        per-task gradient cosines are taken against.
-      log_diagnostics: balanced runs: log per-task gradient norms, cosines and MetaBalance
-        weights at every log step (computed on those steps only).
       checkpoint_period, keep_checkpoints: save cadence (steps, or "epoch" for an input
         with `steps_per_epoch`) and how many to keep; a final checkpoint is always
         written at `train_steps` (and when training stops early).
-      initial_checkpoint_path: start a *new* run from another run's parameters.
-      eval_period: teacher-forced evaluation of every task every this many steps (0:
-        off) on `eval_input` (default `train_input`) via `eval_batches(task, split, bs)`.
-      decode_eval_period, decode_evaluator_fn: every this many steps (or "epoch") call
-        `decode_evaluator_fn(trainer=..., params=..., step=..., writer=...)`, an
-        in-run evaluator returning `{task: {metric: value}}`
-        (`ktx.eval.DecodeEvaluator`, `ktx.ranking_eval.RankingEvaluator`).
-      early_stopping_metric, early_stopping_patience: stop when the evaluator's
-        `"task/metric"` (or `"metric"` if it reports one task; higher is better) has
+      initial_checkpoint_path: start a *new* run from another run's parameters (or a
+        Hugging Face / T5X checkpoint, `hf:DIR` / `t5x:DIR`).
+      evaluators: `ktx.eval.Evaluator`s run every `eval_period` steps (or "epoch") and
+        at the last step: `DecodeEvaluator`, `TeacherForcedEvaluator` (its input and
+        batch size default to the run's), `ktx.ranking_eval.RankingEvaluator`.
+      early_stopping_metric, early_stopping_patience: stop when the evaluators'
+        `"task/metric"` (or `"metric"` if they report one task; higher is better) has
         not improved for `early_stopping_patience` evaluations (0: never stop early).
         The stop writes a checkpoint; the bookkeeping is in `metrics.jsonl` (split
         `early_stopping`), so a resumed run continues it and a stopped run stays
@@ -197,190 +199,103 @@ def train(
         `input_wait_fraction` in the train metrics is the share of wall time the loop
         blocked on input.
     """
-    check_input(train_input)
+    check_train_input(train_input)
     train_steps = _resolve_train_steps(train_input, train_steps, train_epochs)
     checkpoint_period = _resolve_period("checkpoint_period", checkpoint_period, train_input)
-    decode_eval_period = _resolve_period("decode_eval_period", decode_eval_period, train_input)
+    eval_period = _resolve_period("eval_period", eval_period, train_input)
+    evaluators = tuple(evaluators or ())
     if not isinstance(early_stopping_patience, int) or early_stopping_patience < 0:
         raise ValueError(
             f"early_stopping_patience={early_stopping_patience!r}; accepted: an integer >= 0"
         )
-    if early_stopping_patience and (
-        not early_stopping_metric or decode_evaluator_fn is None or not decode_eval_period
-    ):
+    if early_stopping_patience and (not early_stopping_metric or not evaluators or not eval_period):
         raise ValueError(
             f"early_stopping_patience={early_stopping_patience} needs early_stopping_metric "
-            "('task/metric'), decode_evaluator_fn and decode_eval_period > 0"
+            "('task/metric'), evaluators and eval_period > 0"
         )
-    if not isinstance(log_period, int) or log_period < 1:
-        raise ValueError(f"log_period={log_period!r}; accepted: an integer >= 1")
     if train_input.num_tasks != model.num_tasks:
         raise ValueError(
             f"the input has {train_input.num_tasks} tasks {list(train_input.task_names)} but "
             f"model.num_tasks={model.num_tasks}; set NUM_TASKS to {train_input.num_tasks}"
         )
     task_names = tuple(train_input.task_names)
-    model_dir = pathlib.Path(model_dir).expanduser()
-    model_dir.mkdir(parents=True, exist_ok=True)
+    run = RunDir(model_dir).makedirs()
 
-    mesh = partitioning.create_mesh(num_partitions)
-    rules = partitioning.standard_logical_axis_rules(additional_rules)
     trainer = Trainer(
-        model, optimizer, mesh=mesh, rules=rules, balancer=balancer, schedule=schedule,
+        model, optimizer, balancer=balancer, schedule=schedule,
+        mesh=partitioning.create_mesh(num_partitions),
+        rules=partitioning.standard_logical_axis_rules(additional_rules),
         num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
         sparse_tables=sparse_tables, diagnostics_period=log_period if log_diagnostics else 0,
         target_task=target_task,
     )
     first_batch = train_input.get_batch(0)
-    abstract, _ = trainer.create_abstract_state(first_batch)
-    checkpoints = CheckpointManager(
-        model_dir, save_period=checkpoint_period, keep=keep_checkpoints, async_save=async_checkpoints
-    )
-    rng = jax.random.key(seed)
-    init_rng, dropout_rng = jax.random.split(rng)
-    state = checkpoints.restore_latest_good(abstract)
-    latest = None if state is None else int(jax.device_get(state.step))
-    if latest is not None:
-        _log.info("resumed from %s at step %d", checkpoints.directory, latest)
-        print(f"Resuming from checkpoint step {latest} in {checkpoints.directory}", flush=True)
-    else:
-        state = trainer.init_state(init_rng, first_batch)
-        if initial_checkpoint_path:
-            params, report = load_initial_params(
-                initial_checkpoint_path, abstract.params, state.params
-            )
-            print(report.summary(), flush=True)
-            state = state.replace(params=params, opt_state=jax.jit(
-                trainer.init_opt_state, out_shardings=trainer.state_shardings.opt_state)(params))
+    state, start = _restore_or_init(trainer, run, first_batch, seed, initial_checkpoint_path,
+                                    checkpoints := CheckpointManager(
+                                        run.root, save_period=checkpoint_period,
+                                        keep=keep_checkpoints, async_save=async_checkpoints))
     if started_callback is not None:
         started_callback()
+    dropout_rng = jax.random.split(jax.random.key(seed))[1]
 
-    writer = MetricsWriter(model_dir)
-    start = int(jax.device_get(state.step))
-    progress = ProgressLogger(train_steps, start_step=start)
-    pending: list[tuple[int, dict]] = []
-    input_time = 0.0
-    period_start = time.perf_counter()
-    last_good = checkpoints.latest_step()
+    writer = MetricsWriter(run.root)
+    metrics = TrainMetrics(writer, task_names, train_steps=train_steps, start_step=start,
+                           log_period=log_period, checkpoint_dir=checkpoints.directory,
+                           last_good=checkpoints.latest_step())
+    checkpointing = Checkpointing(checkpoints, task_names, train_steps)
+    for evaluator in evaluators:
+        if hasattr(evaluator, "use_train_input"):
+            evaluator.use_train_input(train_input, _host_rows(first_batch) * jax.process_count())
+    evaluation = Evaluation(
+        evaluators, eval_period, writer, train_steps=train_steps,
+        stopper=EarlyStopping(early_stopping_metric, early_stopping_patience)
+        if early_stopping_patience else None)
 
-    def flush(step: int) -> None:
-        """Fetches pending metrics, stops on a non-finite loss, writes summaries."""
-        nonlocal pending, input_time, period_start
-        if not pending:
-            return
-        fetched = jax.device_get([m for _, m in pending])
-        steps = [s for s, _ in pending]
-        for s, m in zip(steps, fetched):
-            loss = float(m["loss"])
-            if not math.isfinite(loss):
-                raise NonFiniteLossError(
-                    f"loss is {loss} at step {s} (the update from batch {s}); stopping. "
-                    f"Last good checkpoint: "
-                    f"{'step ' + str(last_good) if last_good is not None else 'none'} in "
-                    f"{checkpoints.directory}"
-                )
-        elapsed = max(time.perf_counter() - period_start, 1e-9)
-        sums = {k: np.sum([np.asarray(m["aux"][k]) for m in fetched], 0) for k in fetched[0]["aux"]}
-        sums["examples"] = np.sum([m["examples"] for m in fetched], 0)
-        by_task = per_task_metrics(sums, task_names)
-        task_losses = np.mean([m["task_losses"] for m in fetched], 0)
-        for t, name in enumerate(task_names):
-            if name in by_task:
-                by_task[name]["task_loss"] = float(task_losses[t])
-        rows = float(np.sum(sums["examples"]))
-        steps_per_s, examples_per_s = progress.rates(step, int(rows / len(fetched)))
-        total = by_task.setdefault("all", {})
-        total.update(
-            objective=float(np.mean([m["loss"] for m in fetched])),
-            learning_rate=float(fetched[-1]["learning_rate"]),
-            grad_norm=float(np.mean([m["grad_norm"] for m in fetched])),
-            update_norm=float(np.mean([m["update_norm"] for m in fetched])),
-            param_norm=float(fetched[-1]["param_norm"]),
-            steps_per_s=steps_per_s,
-            examples_per_s=examples_per_s,
-            input_wait_fraction=input_time / elapsed,
-        )
-        # Diagnostics are computed on log steps only (the last of the period).
-        logged = [m for m in fetched if bool(m.get("diagnostics_logged", False))]
-        for key in (logged[-1]["diagnostics"] if logged else {}):
-            total[key] = float(logged[-1]["diagnostics"][key])
-        writer.write_tasks(step, "train", by_task)
-        progress.log(step, total["objective"], steps_per_s, examples_per_s)
-        pending, input_time, period_start = [], 0.0, time.perf_counter()
-
-    stopper = (
-        EarlyStopping(early_stopping_metric, early_stopping_patience)
-        if early_stopping_patience else None
-    )
-
-    def run_evaluator(done: int) -> bool:
-        """In-run evaluation at step `done`; True when early stopping says stop."""
-        results = decode_evaluator_fn(trainer=trainer, params=state.params, step=done, writer=writer)
-        if isinstance(results, dict):
-            _print_results(f"evaluation at step {done}", results)
-        if stopper is None:
-            return False
-        stop = stopper.update(done, results)
-        writer.write(done, EarlyStopping.SPLIT, stopper.metric, stopper.record())
-        if stop and jax.process_index() == 0:
-            print(f"Early stopping at step {done}: {stopper.metric} has not improved for "
-                  f"{stopper.since_best} evaluations (best {stopper.best_value:.6g} at step "
-                  f"{stopper.best_step})", flush=True)
-        return stop
-
-    stopped = False
-    if stopper is not None and start > 0:
-        stopper.restore(model_dir, start)
-        if stopper.stopped:
-            print(f"This run stopped early at step {stopper.last_step} (best {stopper.metric} "
-                  f"{stopper.best_value:.6g} at step {stopper.best_step}); nothing to do",
-                  flush=True)
-            stopped = True
-        elif start % decode_eval_period == 0 and stopper.last_step != start:
-            # The checkpoint of `start` was written but its evaluation was not.
-            stopped = run_evaluator(start)
-    if stopped:
-        checkpoints.close()
-        writer.close()
-        return state
-
-    prefetcher = Prefetcher(train_input, trainer, start, train_steps, depth=prefetch_depth)
+    prefetcher = None
     try:
+        if evaluation.resume(trainer, state.params, run.root, start):
+            return state
+        prefetcher = Prefetcher(train_input, trainer, start, train_steps, depth=prefetch_depth)
         for step, batch, counts, wait in prefetcher:
-            input_time += wait
-            state, metrics = trainer.train_step(state, batch, dropout_rng, counts)
-            pending.append((step, metrics))
+            state, step_metrics = trainer.train_step(state, batch, dropout_rng, counts)
+            metrics.add(step, step_metrics, wait)
             done = step + 1
-            if done % log_period == 0 or done == train_steps:
-                flush(done)
-            if checkpoints.should_save(done) or done == train_steps:
-                flush(done)
-                if checkpoints.save(state, force=done == train_steps, meta={"task_names": task_names}):
-                    last_good = done
-            if eval_period and (done % eval_period == 0 or done == train_steps):
-                from ktx.eval import teacher_forced_eval
-
-                results = teacher_forced_eval(
-                    trainer, state.params, eval_input or train_input, task_names,
-                    split=eval_split,
-                    batch_size=eval_batch_size or _host_rows(first_batch) * jax.process_count(),
-                )
-                writer.write_tasks(done, eval_split, results)
-                _print_results(f"{eval_split} (teacher-forced) at step {done}", results)
-            if decode_evaluator_fn is not None and decode_eval_period and (
-                done % decode_eval_period == 0 or done == train_steps
-            ):
-                if run_evaluator(done):
-                    flush(done)
-                    checkpoints.save(state, force=True, meta={"task_names": task_names})
-                    break
+            if metrics.due(done):
+                metrics.flush(done)
+            if checkpointing.due(done):
+                checkpointing.save(state, done, metrics)
+            if evaluation.due(done) and evaluation.run(trainer, state.params, done):
+                checkpointing.save(state, done, metrics, force=True)
+                break
         if train_steps == start and start > 0:
             print(f"Checkpoint step {start} already reached TRAIN_STEPS={train_steps}", flush=True)
     finally:
-        prefetcher.close()
+        if prefetcher is not None:
+            prefetcher.close()
         checkpoints.close()
         writer.close()
     return state
+
+
+def _restore_or_init(trainer: Trainer, run: RunDir, first_batch, seed: int,
+                     initial_checkpoint_path: str | None,
+                     checkpoints: CheckpointManager) -> tuple[TrainState, int]:
+    """The latest good checkpoint of `run`, else a fresh state (with the parameters of
+    `initial_checkpoint_path` when given); returns `(state, step)`."""
+    abstract, _ = trainer.create_abstract_state(first_batch)
+    state = checkpoints.restore_latest_good(abstract)
+    if state is not None:
+        step = int(jax.device_get(state.step))
+        _log.info("resumed from %s at step %d", checkpoints.directory, step)
+        print(f"Resuming from checkpoint step {step} in {checkpoints.directory}", flush=True)
+        return state, step
+    state = trainer.init_state(jax.random.split(jax.random.key(seed))[0], first_batch)
+    if initial_checkpoint_path:
+        params, report = load_initial_params(initial_checkpoint_path, abstract.params, state.params)
+        print(report.summary(), flush=True)
+        state = state.replace(params=params, opt_state=jax.jit(
+            trainer.init_opt_state, out_shardings=trainer.state_shardings.opt_state)(params))
+    return state, 0
 
 
 def _resolve_train_steps(train_input: Any, train_steps: Any, train_epochs: Any) -> int:
@@ -415,83 +330,3 @@ def _resolve_period(name: str, period: Any, train_input: Any) -> int:
     if not isinstance(period, int) or isinstance(period, bool) or period < 0:
         raise ValueError(f"{name}={period!r}; accepted: an integer >= 0 or 'epoch'")
     return period
-
-
-class EarlyStopping:
-    """Best-so-far bookkeeping of one in-run metric (higher is better).
-
-    Args:
-      metric: `"task/metric"` in the evaluator's `{task: {metric: value}}` results, or
-        `"metric"` when the evaluator reports a single task.
-      patience: evaluations without improvement before `update` says stop.
-    """
-
-    SPLIT = "early_stopping"
-
-    def __init__(self, metric: str, patience: int):
-        if not isinstance(metric, str) or not metric or metric.count("/") > 1:
-            raise ValueError(f"early_stopping_metric={metric!r}; accepted: 'task/metric' or 'metric'")
-        if not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"early_stopping_patience={patience!r}; accepted: an integer >= 1")
-        self.metric, self.patience = metric, patience
-        self.best_value = -math.inf
-        self.best_step: int | None = None
-        self.since_best = 0
-        self.last_step: int | None = None
-
-    @property
-    def stopped(self) -> bool:
-        return self.since_best >= self.patience
-
-    def value_of(self, results: Any) -> float:
-        if not isinstance(results, dict) or not results:
-            raise ValueError(
-                f"early_stopping_metric={self.metric!r}: the evaluator returned {results!r}, "
-                "not {task: {metric: value}}"
-            )
-        if "/" in self.metric:
-            task, name = self.metric.split("/")
-        elif len(results) == 1:
-            task, name = next(iter(results)), self.metric
-        else:
-            raise ValueError(
-                f"early_stopping_metric={self.metric!r}: the evaluator reports tasks "
-                f"{sorted(results)}; name one as 'task/{self.metric}'"
-            )
-        if task not in results or name not in results[task]:
-            known = [f"{t}/{m}" for t, ms in results.items() for m in ms]
-            raise ValueError(f"early_stopping_metric={self.metric!r} is not reported; reported: {known}")
-        return float(results[task][name])
-
-    def update(self, step: int, results: Any) -> bool:
-        """Records the evaluation of `step`; True when training should stop."""
-        value = self.value_of(results)
-        self.last_step = int(step)
-        if value > self.best_value:
-            self.best_value, self.best_step, self.since_best = value, int(step), 0
-        else:
-            self.since_best += 1
-        return self.stopped
-
-    def record(self) -> dict[str, float]:
-        return {"best_value": self.best_value, "best_step": self.best_step,
-                "since_best": self.since_best, "patience": self.patience}
-
-    def restore(self, model_dir: str | os.PathLike, upto_step: int) -> None:
-        """Continues from the last record of this metric at or before `upto_step` in
-        `<model_dir>/metrics.jsonl` (a resumed run)."""
-        from ktx.summaries import read_metrics
-
-        path = pathlib.Path(model_dir) / "metrics.jsonl"
-        if not path.exists():
-            return
-        records = [
-            r for r in read_metrics(path)
-            if r.get("split") == self.SPLIT and r.get("task") == self.metric and r["step"] <= upto_step
-        ]
-        if records:
-            last = max(records, key=lambda r: r["step"])
-            self.best_value = float(last["best_value"])
-            self.best_step = last["best_step"]
-            self.since_best = int(last["since_best"])
-            self.last_step = int(last["step"])

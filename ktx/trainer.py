@@ -1,21 +1,25 @@
-"""Pure train/eval steps and a thin `Trainer` that partitions and compiles them.
+"""The train step of every ktx model, and a thin `Trainer` that partitions and compiles it.
 
-`train_step(state, batch, rng) -> (state, metrics)` is a pure function (T5X style):
-the dropout key is `fold_in(rng, state.step)`, so a run restarted from a checkpoint at
-step s draws exactly the keys it would have drawn; the rows of the batch are numbered
-(`ROW_ID`) before any split, and models key dropout per row, so the plain, blocked,
-one-hot VJP and microbatched paths compute the same gradient.
+`train_step(state, batch, rng, *, model, optimizer, options) -> (state, metrics)` is a
+pure function (T5X style): the dropout key is `fold_in(rng, state.step)`, so a run
+restarted from a checkpoint at step s draws exactly the keys it would have drawn; the
+rows of the batch are numbered (`ROW_ID`) before any split, and models key dropout per
+row, so the plain, blocked, one-hot VJP and microbatched paths compute the same gradient.
 
-Two gradient paths, one compiled step each:
+It is the only training step in ktx (T5, encoders, recommendation): its variants are
+options, not copies.
 
-* plain: `jax.value_and_grad` of the model's normalized loss, then `optimizer`;
-* balanced (a `ktx.optim` balancer is given): `ktx.optim.compute_task_gradients`
-  builds per-task gradients and `optax.chain(balancer, optimizer)` combines them,
-  called as `tx.update(task_grads, opt_state, params, task_losses=task_losses)`.
-
-Gradient accumulation splits the batch `[B, ...]` into `num_microbatches` slices of
-`[B / M, ...]` (a `lax.scan`); each slice's loss sums are divided by the normalizer of
-the *whole* batch, so the accumulated gradient equals the full-batch gradient.
+* plain (`optimizer.balanced` false): `jax.grad` of the model's normalized loss, then the
+  optimizer;
+* balanced (a `ktx.optim` balancer in the `TaskOptimizer`):
+  `ktx.optim.compute_task_gradients` builds per-task gradients (task blocks, one-hot VJP,
+  sparse embedding-table rows) and the balancer combines them before the optimizer;
+* microbatched (`StepOptions.num_microbatches = M`): the batch `[B, ...]` is cut into M
+  slices `[B / M, ...]` accumulated by one `lax.scan` (`accumulate`); each slice's loss
+  sums are divided by the normalizer of the *whole* batch, so the accumulated gradient
+  equals the full-batch gradient;
+* multi-step (`train_steps`): K consecutive steps in one call (a `lax.scan` over a
+  `[K, B, ...]` block of batches), so the host neither dispatches nor syncs per step.
 
 The `Trainer` creates the state already sharded: `jax.eval_shape` of the model init
 -> `nn.get_partition_spec` -> `NamedSharding`s on the (data, model) mesh; optimizer
@@ -25,8 +29,9 @@ other leaves (counters, factored Adafactor moments) are replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -37,13 +42,17 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ktx import optimizers, partitioning
+from ktx import partitioning, treepath
 from ktx.models.base import BaseModel, with_row_ids
+from ktx.optimizers import TaskOptimizer
 
 __all__ = [
     "TrainState",
+    "StepOptions",
     "train_step",
+    "train_steps",
     "eval_step",
+    "accumulate",
     "Trainer",
     "split_microbatches",
     "opt_state_shardings",
@@ -52,11 +61,64 @@ __all__ = [
 
 @struct.dataclass
 class TrainState:
-    """`step` (int32 scalar), `params` (the model's "params" collection), `opt_state`."""
+    """`step` (int32 scalar), `params` (the model's "params" collection), `opt_state`
+    (`TaskOptimizer.init`'s layout)."""
 
     step: jax.Array
     params: Any
     opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static options of the compiled train step (each distinct value compiles once).
+
+    Attributes:
+      num_microbatches: gradient accumulation factor M (divides the batch).
+      grad_method: balanced path: "auto" | "blocks" | "vjp" (`compute_task_gradients`).
+      shared: balanced path: regexes of balanced parameters (None: the engine's default).
+      sparse_tables: balanced path: regexes of `nn.Embed` tables whose per-task gradients
+        stay sparse (looked-up rows only; recommendation tables). Needs M = 1.
+      task_capacity: balanced path: static rows per task block (the most each task has
+        had); the counts themselves are read from `task_id` in the step.
+      check_layout: balanced path: check in the step that the rows are grouped by task as
+        the blocks promise (False when the host already checked, `Trainer.global_batch`).
+      diagnostics_period: balanced path: per-task gradient diagnostics on the steps where
+        `(step + 1) % diagnostics_period == 0` (a `lax.cond`; 0: never).
+      target_task: the task the diagnostics' cosines are taken against.
+      norm_metrics: report `grad_norm`, `update_norm` and `param_norm` (three passes over
+        the parameters; off for the recommendation study's many small steps).
+    """
+
+    num_microbatches: int = 1
+    grad_method: str = "auto"
+    shared: tuple[str, ...] | None = None
+    sparse_tables: tuple[str, ...] | None = None
+    task_capacity: tuple[int, ...] | None = None
+    check_layout: bool = True
+    diagnostics_period: int = 1
+    target_task: int = 0
+    norm_metrics: bool = True
+
+    def __post_init__(self):
+        m = self.num_microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"num_microbatches={m!r}; accepted: an integer >= 1")
+        if self.grad_method not in ("auto", "blocks", "vjp"):
+            raise ValueError(
+                f"grad_method={self.grad_method!r}; accepted: 'auto', 'blocks', 'vjp'")
+        d = self.diagnostics_period
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"diagnostics_period={d!r}; accepted: an int >= 0 (0: never)")
+        for name in ("shared", "sparse_tables", "task_capacity"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            object.__setattr__(self, name, tuple(value) if value else None)
+        if self.sparse_tables and m > 1:
+            raise ValueError(
+                f"sparse_tables={self.sparse_tables!r} needs num_microbatches=1 (got {m}): "
+                "sparse per-task rows are not accumulated over microbatches")
 
 
 def split_microbatches(batch: Mapping[str, jax.Array], num_microbatches: int) -> dict:
@@ -72,7 +134,24 @@ def split_microbatches(batch: Mapping[str, jax.Array], num_microbatches: int) ->
     return out
 
 
-def _rows_per_task(batch: Mapping[str, jax.Array], num_tasks: int) -> jax.Array:
+def accumulate(fn: Callable[[Mapping[str, jax.Array]], Any], batch: Mapping[str, jax.Array],
+               num_microbatches: int) -> Any:
+    """`fn(batch)` for M = 1, else the sum of `fn` over the M microbatches (a `lax.scan`
+    with a zero-initialised carry of `fn`'s output structure)."""
+    if num_microbatches == 1:
+        return fn(batch)
+    mbs = split_microbatches(batch, num_microbatches)
+    shapes = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], mbs))
+    init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    def body(carry, mb):
+        return jax.tree.map(jnp.add, carry, fn(mb)), None
+
+    return jax.lax.scan(body, init, mbs)[0]
+
+
+def rows_per_task(batch: Mapping[str, jax.Array], num_tasks: int) -> jax.Array:
+    """`[T]` float32: rows of each task in the batch (padding rows included)."""
     task_id = batch["task_id"]
     return jax.ops.segment_sum(jnp.ones(task_id.shape, jnp.float32), task_id, num_tasks)
 
@@ -83,42 +162,21 @@ def train_step(
     rng: jax.Array,
     *,
     model: BaseModel,
-    tx: optax.GradientTransformation,
-    balanced: bool = False,
-    num_microbatches: int = 1,
-    task_counts: tuple[int, ...] | None = None,
-    grad_method: str = "auto",
-    shared: Sequence[str] | None = None,
-    schedule: Any = None,
-    task_capacity: tuple[int, ...] | None = None,
-    tx_parts: tuple[Any, Any] | None = None,
-    diagnostics_period: int = 1,
-    target_task: int = 0,
-    host_checked_layout: bool = False,
-    sparse_tables: Sequence[str] | None = None,
+    optimizer: TaskOptimizer,
+    options: StepOptions = StepOptions(),
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
 
     Returns the new state and metrics: `loss` (scalar, the training objective),
     `task_losses` `[T]` (normalized, summing to `loss`), `aux` (dict of `[T]` sums from
     the model, e.g. `loss`, `accuracy`, `weight`), `examples` `[T]` (rows per task),
-    `grad_norm`, `update_norm`, `param_norm`, `learning_rate` (scalars).
-
-    With `balanced=True`, `tx_parts=(balancer, optimizer)` and `tx` is their chain
-    (state `(balancer_state, optimizer_state)`); `grad_norm` is the norm of the
-    balanced gradient, and `diagnostics` holds `ktx.optim.diagnostics(task_grads,
-    balancer_state, target_task=target_task)` (per-group gradient norms, cosines to the
-    target, MetaBalance weights) on the steps where `(step + 1) % diagnostics_period == 0`
-    (a `lax.cond`: other steps pay nothing; zeros there, and `diagnostics_logged` says
-    which), never with `diagnostics_period=0`; it is `{}` on the plain path.
+    `learning_rate`, and with `options.norm_metrics` `grad_norm` (of the gradient the
+    optimizer saw: the balanced one on the balanced path), `update_norm`, `param_norm`.
+    `diagnostics` holds `ktx.optim.diagnostics(task_grads, balancer_state,
+    target_task=...)` (per-group gradient norms, cosines to the target, MetaBalance
+    weights) on the balanced path's logged steps (zeros elsewhere; `diagnostics_logged`
+    says which), `{}` on the plain path.
     """
-    if balanced and tx_parts is None:
-        raise ValueError("balanced=True needs tx_parts=(balancer, optimizer)")
-    if sparse_tables and num_microbatches > 1:
-        raise ValueError(
-            f"sparse_tables={tuple(sparse_tables)!r} needs num_microbatches=1 (got "
-            f"{num_microbatches}): sparse per-task rows are not accumulated over microbatches"
-        )
     num_tasks = model.num_tasks
     step_rng = jax.random.fold_in(rng, state.step)
     # Rows are numbered before the batch is cut into task blocks or microbatches: dropout
@@ -126,88 +184,43 @@ def train_step(
     batch = with_row_ids(batch)
     normalizer = model.normalizer(batch)
     params = state.params
+    present = rows_per_task(batch, num_tasks)
+    diagnostics, logged = {}, jnp.zeros((), bool)
 
-    if balanced:
+    if optimizer.balanced:
         from ktx import optim  # the balancing engine is optional for plain training
 
-        def task_grads_fn(mb, key, counts, method, capacity=None):
-            def loss_sums_fn(p, b):
-                return model.loss_sums(p, b, key, True)
+        # Microbatches cut across task blocks, so they use the one-hot VJP engine.
+        blocked = options.num_microbatches == 1
 
+        def task_grads(mb):
             return optim.compute_task_gradients(
-                loss_sums_fn, normalizer, params, mb, num_tasks=num_tasks,
-                task_counts=counts, method=method, shared=shared,
-                sparse_tables=tuple(sparse_tables) if sparse_tables else None,
-                task_capacity=capacity, check_layout=not host_checked_layout,
+                lambda p, b: model.loss_sums(p, b, step_rng, True), normalizer, params, mb,
+                num_tasks=num_tasks, shared=options.shared, sparse_tables=options.sparse_tables,
+                method=options.grad_method if blocked else "vjp",
+                task_capacity=options.task_capacity if blocked else None,
+                check_layout=options.check_layout,
             )
 
-        if num_microbatches == 1:
-            task_losses, aux, task_grads = task_grads_fn(
-                batch, step_rng, task_counts, grad_method, task_capacity)
-        else:
-            # Microbatches cut across task blocks, so they use the one-hot VJP engine.
-            mbs = split_microbatches(batch, num_microbatches)
-            first = jax.tree.map(lambda x: x[0], mbs)
-            shapes = jax.eval_shape(
-                lambda: task_grads_fn(first, step_rng, None, "vjp")
-            )
-            init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-            def body(carry, xs):
-                i, mb = xs
-                del i
-                out = task_grads_fn(mb, step_rng, None, "vjp")
-                return jax.tree.map(jnp.add, carry, out), None
-
-            (task_losses, aux, task_grads), _ = jax.lax.scan(
-                body, init, (jnp.arange(num_microbatches), mbs)
-            )
-        # `tx` is `optax.chain(balancer, optimizer)`: applying its two parts in turn is
-        # the same update, and exposes the balanced gradient for `grad_norm`.
-        balancer, optimizer = tx_parts
-        balancer_state, optimizer_state = state.opt_state
-        grads, balancer_state = balancer.update(
-            task_grads, balancer_state, params, task_losses=task_losses,
-            task_present=_rows_per_task(batch, num_tasks) > 0,
-        )
-        grad_norm = optax.tree.norm(grads)
-        updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
-        opt_state = (balancer_state, optimizer_state)
-        diagnostics, logged = {}, jnp.zeros((), bool)
-        if diagnostics_period:
+        task_losses, aux, per_task = accumulate(task_grads, batch, options.num_microbatches)
+        grads, updates, opt_state = optimizer.update(
+            per_task, state.opt_state, params, task_losses=task_losses, task_present=present > 0)
+        if options.diagnostics_period:
             def diag():
-                return optim.diagnostics(task_grads, balancer_state, target_task=target_task)
+                return optim.diagnostics(per_task, opt_state[0], target_task=options.target_task)
 
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(diag))
-            logged = (state.step + 1) % diagnostics_period == 0
+            logged = (state.step + 1) % options.diagnostics_period == 0
             diagnostics = jax.lax.cond(logged, diag, lambda: zeros)
     else:
-        diagnostics, logged = {}, jnp.zeros((), bool)
-
-        def loss(p, mb, key):
-            losses, aux = model.task_losses(p, mb, key, True, normalizer=normalizer)
+        def loss(p, mb):
+            losses, aux = model.task_losses(p, mb, step_rng, True, normalizer=normalizer)
             return losses.sum(), (losses, aux)
 
-        grad_fn = jax.grad(loss, has_aux=True)
-        if num_microbatches == 1:
-            grads, (task_losses, aux) = grad_fn(params, batch, step_rng)
-        else:
-            mbs = split_microbatches(batch, num_microbatches)
-            first = jax.tree.map(lambda x: x[0], mbs)
-            shapes = jax.eval_shape(grad_fn, params, first, step_rng)
-            init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-            def body(carry, xs):
-                i, mb = xs
-                del i
-                out = grad_fn(params, mb, step_rng)
-                return jax.tree.map(jnp.add, carry, out), None
-
-            (grads, (task_losses, aux)), _ = jax.lax.scan(
-                body, init, (jnp.arange(num_microbatches), mbs)
-            )
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, params)
+        grads, (task_losses, aux) = accumulate(
+            functools.partial(jax.grad(loss, has_aux=True), params), batch,
+            options.num_microbatches)
+        grads, updates, opt_state = optimizer.update(grads, state.opt_state, params)
 
     new_params = optax.apply_updates(params, updates)
     metrics = {
@@ -216,18 +229,28 @@ def train_step(
         "loss": task_losses.sum(),
         "task_losses": task_losses,
         "aux": aux,
-        "examples": _rows_per_task(batch, num_tasks),
-        "grad_norm": grad_norm,
-        "update_norm": optax.tree.norm(updates),
-        "param_norm": optax.tree.norm(new_params),
-        "learning_rate": (
-            jnp.asarray(schedule(state.step), jnp.float32)
-            if schedule is not None
-            else jnp.zeros((), jnp.float32)
-        ),
+        "examples": present,
+        "learning_rate": optimizer.learning_rate(state.step),
     }
+    if options.norm_metrics:
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["update_norm"] = optax.tree.norm(updates)
+        metrics["param_norm"] = optax.tree.norm(new_params)
     new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
     return new_state, metrics
+
+
+def train_steps(
+    state: TrainState, batches: Mapping[str, jax.Array], rng: jax.Array, **step_kwargs: Any
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`K` consecutive `train_step`s in one call: `batches` holds every feature stacked
+    `[K, B, ...]` (step `state.step + k` in row k); returns the state after K steps and
+    the metrics stacked `[K, ...]`, identical to K calls of `train_step`."""
+
+    def body(s, batch):
+        return train_step(s, batch, rng, **step_kwargs)
+
+    return jax.lax.scan(body, state, dict(batches))
 
 
 def eval_step(
@@ -238,20 +261,8 @@ def eval_step(
     sums, aux = model.loss_sums(params, batch, None, False)
     out = dict(aux)
     out["loss_sum"] = sums
-    out["examples"] = _rows_per_task(batch, model.num_tasks)
+    out["examples"] = rows_per_task(batch, model.num_tasks)
     return out
-
-
-def _path_key(path) -> tuple[str, ...]:
-    names = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                names.append(str(getattr(k, attr)))
-                break
-        else:
-            names.append(str(k))
-    return tuple(names)
 
 
 def opt_state_shardings(
@@ -264,11 +275,11 @@ def opt_state_shardings(
         jax.tree_util.tree_flatten_with_path(abstract_params)[0],
         jax.tree.leaves(param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)),
     ):
-        by_path[_path_key(path)] = (tuple(leaf.shape), sharding)
+        by_path[tuple(treepath.name(path).split("/"))] = (tuple(leaf.shape), sharding)
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def pick(path, leaf):
-        key = _path_key(path)
+        key = tuple(treepath.name(path).split("/"))
         for start in range(len(key)):
             hit = by_path.get(key[start:])
             if hit is not None and hit[0] == tuple(getattr(leaf, "shape", ())):
@@ -283,88 +294,61 @@ def _zeros_batch(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
 
 
 class Trainer:
-    """Builds the sharded `TrainState` and compiles `train_step`/`eval_step` on a mesh.
+    """Builds the sharded `TrainState` and compiles `train_step` / `train_steps` /
+    `eval_step` on a mesh.
 
     Args:
       model: a `ktx.models.base.BaseModel`.
-      optimizer: an optax transformation (see `ktx.optimizers`).
+      optimizer: a `ktx.optimizers.TaskOptimizer`, or a bare optax transformation (then
+        `balancer` and `schedule` complete it). The model's `frozen_patterns`, if any,
+        are added to its frozen patterns: frozen parameters get no update at all.
       mesh: a (data, model) mesh from `ktx.partitioning.create_mesh` (default: all
         devices, `num_partitions=1`).
       rules: logical axis rules (default `partitioning.standard_logical_axis_rules()`).
-      balancer: an optional `ktx.optim` balancer (GradientTransformationExtraArgs);
-        when given, the step computes per-task gradients and uses
-        `optax.chain(balancer, optimizer)`.
-      schedule: the learning-rate schedule (or a number), only to report `learning_rate`.
-      num_microbatches: gradient accumulation factor (divides the global batch).
-      grad_method: "auto" | "blocks" | "vjp", passed to `compute_task_gradients`.
-      shared: regexes of balanced parameters (None: the engine's default).
-      sparse_tables: regexes of `nn.Embed` tables whose per-task gradients stay sparse
-        on the balanced path (looked-up rows only; recommendation tables).
-      diagnostics_period: balanced path: per-task gradient diagnostics every this many
-        steps (the trainer's log period; 0: never).
-      target_task: the task the diagnostics' cosines are taken against (the balancer's
-        target).
+      balancer, schedule: with a bare optax `optimizer` only (see `TaskOptimizer`).
+      options: the step's `StepOptions`; or give its fields as keywords
+        (`num_microbatches=2, grad_method="vjp", ...`).
     """
 
     def __init__(
         self,
         model: BaseModel,
-        optimizer: optax.GradientTransformation,
+        optimizer: TaskOptimizer | optax.GradientTransformation,
         *,
         mesh: Mesh | None = None,
         rules: Sequence[tuple[str, str | None]] | None = None,
         balancer: Any = None,
         schedule: Any = None,
-        num_microbatches: int = 1,
-        grad_method: str = "auto",
-        shared: Sequence[str] | None = None,
-        sparse_tables: Sequence[str] | None = None,
-        diagnostics_period: int = 1,
-        target_task: int = 0,
+        options: StepOptions | None = None,
+        **option_fields: Any,
     ):
         if not isinstance(model, BaseModel):
             raise TypeError(f"model={model!r} must be a ktx.models.base.BaseModel")
-        if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
-            raise TypeError(f"optimizer={optimizer!r} is not an optax GradientTransformation")
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(f"num_microbatches={num_microbatches!r}; accepted: an integer >= 1")
-        if isinstance(diagnostics_period, bool) or not isinstance(diagnostics_period, int) \
-                or diagnostics_period < 0:
-            raise ValueError(f"diagnostics_period={diagnostics_period!r}; accepted: an int >= 0 "
-                             "(0: never)")
-        if not 0 <= int(target_task) < model.num_tasks:
-            raise ValueError(f"target_task={target_task!r}; accepted: 0..{model.num_tasks - 1}")
-        if grad_method not in ("auto", "blocks", "vjp"):
-            raise ValueError(f"grad_method={grad_method!r}; accepted: 'auto', 'blocks', 'vjp'")
-        self.model = model
-        self.mesh = mesh if mesh is not None else partitioning.create_mesh(1)
-        self.rules = tuple(rules) if rules is not None else partitioning.standard_logical_axis_rules()
-        self.balancer = balancer
-        # Frozen parameters (the model's `frozen_patterns`) get no update at all: zero
-        # updates and no optimizer state, whatever the optimizer adds to the gradient.
+        if isinstance(optimizer, TaskOptimizer):
+            if balancer is not None or schedule is not None:
+                raise ValueError("Trainer: give balancer/schedule inside the TaskOptimizer, "
+                                 "not beside it")
+        else:
+            optimizer = TaskOptimizer(optimizer, balancer=balancer, schedule=schedule)
         frozen = tuple(getattr(model, "frozen_patterns", ()) or ())
         if frozen:
-            optimizer = optimizers.freeze(optimizer, frozen)
-        self.optimizer = optimizer
-        self.tx = optax.chain(balancer, optimizer) if balancer is not None else optimizer
-        self.tx_parts = (balancer, optimizer) if balancer is not None else None
-        # A learning rate given as a number (optax accepts one) is reported as constant.
-        if schedule is not None and not callable(schedule):
-            schedule = optax.constant_schedule(float(schedule))
-        self.schedule = schedule
-        self.num_microbatches = num_microbatches
-        self.grad_method = grad_method
-        self.diagnostics_period = diagnostics_period
-        self.target_task = int(target_task)
-        self.shared = None if shared is None else tuple(shared)
-        if isinstance(sparse_tables, str):
-            sparse_tables = (sparse_tables,)
-        self.sparse_tables = tuple(sparse_tables) if sparse_tables else None
-        if self.sparse_tables and num_microbatches > 1:
+            optimizer = dataclasses.replace(optimizer, frozen=optimizer.frozen + frozen)
+        if options is not None and option_fields:
+            raise ValueError(f"Trainer: give options= or its fields {sorted(option_fields)}, "
+                             "not both")
+        unknown = set(option_fields) - {f.name for f in dataclasses.fields(StepOptions)}
+        if unknown:
+            raise TypeError(f"Trainer: unknown arguments {sorted(unknown)}; step options are "
+                            f"{[f.name for f in dataclasses.fields(StepOptions)]}")
+        options = options if options is not None else StepOptions(**option_fields)
+        if not 0 <= int(options.target_task) < model.num_tasks:
             raise ValueError(
-                f"sparse_tables={self.sparse_tables!r} needs num_microbatches=1 (got "
-                f"{num_microbatches})"
-            )
+                f"target_task={options.target_task!r}; accepted: 0..{model.num_tasks - 1}")
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        self.mesh = mesh if mesh is not None else partitioning.create_mesh(1)
+        self.rules = tuple(rules) if rules is not None else partitioning.standard_logical_axis_rules()
         self._compiled: dict[Any, Any] = {}
         self._capacity: tuple[int, ...] | None = None  # per-task block sizes seen so far
         self._eval_compiled = None
@@ -392,14 +376,8 @@ class Trainer:
         return init
 
     def init_opt_state(self, params: Any) -> Any:
-        """`tx.init(params)`; balancers read the number of tasks from
-        `ktx.optim.num_tasks_scope`."""
-        if self.balancer is None:
-            return self.tx.init(params)
-        from ktx import optim
-
-        with optim.num_tasks_scope(self.model.num_tasks):
-            return self.tx.init(params)
+        """The optimizer state of `params` (`TaskOptimizer.init`)."""
+        return self.optimizer.init(params)
 
     def create_abstract_state(self, batch: Mapping[str, Any]) -> tuple[TrainState, TrainState]:
         """`(abstract_state, shardings)`: ShapeDtypeStructs (with `.sharding` set) and
@@ -435,15 +413,17 @@ class Trainer:
     # -- steps --------------------------------------------------------------------------
 
     def global_batch(
-        self, batch: Mapping[str, np.ndarray], task_counts: Sequence[int] | None = None
+        self, batch: Mapping[str, np.ndarray], task_counts: Sequence[int] | None = None,
+        batch_axis: int = 0,
     ) -> dict[str, jax.Array]:
-        """This process's rows -> global arrays split over the `data` mesh axis.
+        """This process's rows -> global arrays split over the `data` mesh axis (axis
+        `batch_axis` of every feature: 1 for a `[K, B, ...]` block of K steps).
 
         With `task_counts` (balanced path), this process's `task_id` rows are checked
         against the blocks the counts describe (numpy, before sharding); a batch that is
         not grouped as promised raises here instead of silently mixing tasks' gradients.
         """
-        task_id = batch.get("task_id") if task_counts is not None and self.balancer is not None \
+        task_id = batch.get("task_id") if task_counts is not None and self.optimizer.balanced \
             else None
         if isinstance(task_id, jax.Array) and task_id.is_fully_addressable \
                 and jax.process_count() == 1:
@@ -451,46 +431,48 @@ class Trainer:
         if isinstance(task_id, np.ndarray):
             from ktx.optim import engine
 
-            engine.check_host_layout(task_id, task_counts, jax.process_index(),
-                                     jax.process_count())
+            for rows in task_id.reshape((-1, task_id.shape[-1]) if batch_axis else (1, -1)):
+                engine.check_host_layout(rows, task_counts, jax.process_index(),
+                                         jax.process_count())
         data_size = self.mesh.shape[partitioning.DATA]
         for k, v in batch.items():
-            rows = np.shape(v)[0] * jax.process_count()
+            rows = np.shape(v)[batch_axis] * jax.process_count()
             if rows % data_size:
                 raise ValueError(
                     f"global batch size {rows} (feature {k!r}) must be divisible by the "
                     f"data-parallel size {data_size} (devices / NUM_PARTITIONS)"
                 )
+        sharding = NamedSharding(self.mesh, PartitionSpec(*([None] * batch_axis), partitioning.DATA))
         if all(isinstance(v, jax.Array) and not isinstance(v, np.ndarray) and
-               getattr(v, "sharding", None) == partitioning.data_sharding(self.mesh)
-               for v in batch.values()):
+               getattr(v, "sharding", None) == sharding for v in batch.values()):
             return dict(batch)
-        return partitioning.host_local_to_global(batch, self.mesh)
+        return partitioning.host_local_to_global(batch, self.mesh, batch_axis)
 
-    def _compiled_train_step(self, task_capacity):
-        key = task_capacity
+    def _capacity_for(self, task_counts: Sequence[int] | None) -> tuple[int, ...] | None:
+        """Static per-task block sizes: the most rows each task has had so far."""
+        if not self.optimizer.balanced or task_counts is None \
+                or self.options.num_microbatches != 1:
+            return None
+        counts = tuple(int(c) for c in task_counts)
+        if self._capacity is None or len(self._capacity) != len(counts):
+            self._capacity = counts
+        else:
+            self._capacity = tuple(max(a, b) for a, b in zip(self._capacity, counts))
+        return self._capacity
+
+    def _compiled_step(self, task_capacity, stacked: bool):
+        key = (task_capacity, stacked)
         if key not in self._compiled:
-            fn = functools.partial(
-                train_step,
-                model=self.model,
-                tx=self.tx,
-                balanced=self.balancer is not None,
-                num_microbatches=self.num_microbatches,
-                task_capacity=task_capacity,
-                diagnostics_period=self.diagnostics_period,
-                target_task=self.target_task,
-                host_checked_layout=True,
-                grad_method=self.grad_method,
-                shared=self.shared,
-                schedule=self.schedule,
-                tx_parts=self.tx_parts,
-                sparse_tables=self.sparse_tables,
-            )
-            data = partitioning.data_sharding(self.mesh)
+            options = dataclasses.replace(self.options, task_capacity=task_capacity,
+                                          check_layout=False)
+            fn = functools.partial(train_steps if stacked else train_step, model=self.model,
+                                   optimizer=self.optimizer, options=options)
+            batch_sharding = NamedSharding(
+                self.mesh, PartitionSpec(*([None] if stacked else []), partitioning.DATA))
             rep = partitioning.replicated_sharding(self.mesh)
             self._compiled[key] = jax.jit(
                 fn,
-                in_shardings=(self.state_shardings, data, rep),
+                in_shardings=(self.state_shardings, batch_sharding, rep),
                 out_shardings=(self.state_shardings, rep),
                 donate_argnums=(0,),
             )
@@ -505,26 +487,37 @@ class Trainer:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """Runs the compiled step on this process's rows of the global batch.
 
-        `task_counts` (the task-partitioned layout of interface §3) locates the task
-        blocks of the balanced path; it is ignored on the plain path. The compiled step
-        depends only on the block sizes, the most rows each task has had so far (the
-        counts themselves are read from `task_id` inside the step), so a mixture whose
-        counts vary by a row or two from step to step compiles a handful of times at the
-        start and never again.
+        `task_counts` (a `ktx.data.pipeline.TrainInput`'s `task_counts(step)`: rows per
+        task of a task-partitioned batch) locates the task blocks of the balanced path; it
+        is ignored on the plain path. The compiled step depends only on the block sizes,
+        the most rows each task has had so far (the counts themselves are read from
+        `task_id` inside the step), so a mixture whose counts vary by a row or two from
+        step to step compiles a handful of times at the start and never again.
         """
         if self.state_shardings is None:
             raise ValueError("Trainer.train_step before init_state/create_abstract_state")
-        capacity = None
-        if self.balancer is not None and task_counts is not None and self.num_microbatches == 1:
-            counts = tuple(int(c) for c in task_counts)
-            if self._capacity is None or len(self._capacity) != len(counts):
-                self._capacity = counts
-            else:
-                self._capacity = tuple(max(a, b) for a, b in zip(self._capacity, counts))
-            capacity = self._capacity
+        capacity = self._capacity_for(task_counts)
         global_batch = self.global_batch(batch, task_counts)
         with self._context():
-            return self._compiled_train_step(capacity)(state, global_batch, rng)
+            return self._compiled_step(capacity, False)(state, global_batch, rng)
+
+    def train_steps(
+        self,
+        state: TrainState,
+        batches: Mapping[str, Any],
+        rng: jax.Array,
+        task_counts: Sequence[int] | None = None,
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """K steps in one compiled call (`train_steps`): `batches` holds this process's
+        rows of K consecutive global batches, every feature stacked `[K, B, ...]`;
+        `task_counts` must hold for each of the K batches. Metrics come back `[K, ...]`;
+        the result equals K `train_step` calls (each distinct K compiles once)."""
+        if self.state_shardings is None:
+            raise ValueError("Trainer.train_steps before init_state/create_abstract_state")
+        capacity = self._capacity_for(task_counts)
+        global_batches = self.global_batch(batches, task_counts, batch_axis=1)
+        with self._context():
+            return self._compiled_step(capacity, True)(state, global_batches, rng)
 
     def lower_train_step(
         self, state: Any, batch: Mapping[str, Any], rng: Any,
@@ -537,7 +530,7 @@ class Trainer:
             raise ValueError("Trainer.lower_train_step before create_abstract_state")
         capacity = None if task_capacity is None else tuple(int(c) for c in task_capacity)
         with self._context():
-            return self._compiled_train_step(capacity).lower(state, batch, rng)
+            return self._compiled_step(capacity, False).lower(state, batch, rng)
 
     def eval_step(self, params: Any, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Compiled `eval_step` on this process's rows; returns replicated `[T]` sums."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from ktx import optimizers, partitioning

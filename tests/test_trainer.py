@@ -7,7 +7,6 @@ exercise the trainer without the T5 model; the T5 equivalence test is in
 
 from __future__ import annotations
 
-import json
 import math
 
 import flax.linen as nn
@@ -17,9 +16,10 @@ import numpy as np
 import optax
 import pytest
 
-from ktx import optimizers, partitioning, trainer as trainer_lib
+from ktx import optimizers, partitioning, trainer as trainer_lib, treepath
 from ktx.models.base import BaseModel, segment_sum_by_task
 from ktx.summaries import read_metrics
+from ktx.eval import TeacherForcedEvaluator
 from ktx.train import NonFiniteLossError, train
 
 
@@ -90,7 +90,7 @@ class ToyModel(BaseModel):
 
 
 class ToyInput:
-    """Interface §3: task-partitioned batches, a pure function of (seed, step)."""
+    """A `ktx.train.TrainInput`: task-partitioned batches, a pure function of (seed, step)."""
 
     task_names = ("toy_a_v001", "toy_b_v001")
     num_tasks = 2
@@ -229,7 +229,7 @@ def test_train_writes_outputs_and_resumes(tmp_path):
     kwargs = dict(
         model=ToyModel(), train_input=ToyInput(), model_dir=tmp_path, optimizer=optax.adam(1e-2),
         schedule=optimizers.constant_schedule(1e-2), log_period=2, checkpoint_period=2,
-        eval_period=4, eval_batch_size=8,
+        eval_period=4, evaluators=[TeacherForcedEvaluator(batch_size=8)],
     )
     state4 = train(train_steps=4, **kwargs)
     records = read_metrics(tmp_path)
@@ -283,7 +283,7 @@ def test_balanced_path_with_vanilla_multi_equals_plain_path():
 def test_balanced_path_metabalance_with_microbatches():
     optim = pytest.importorskip("ktx.optim")
     inp = ToyInput()
-    tr = trainer_lib.Trainer(ToyModel(), optax.adam(1e-2), balancer=optim.metabalance(),
+    tr = trainer_lib.Trainer(ToyModel(), optax.adam(1e-2), balancer=optim.metabalance(num_tasks=2),
                              num_microbatches=2)
     state = tr.init_state(jax.random.key(0), inp.get_batch(0))
     shapes = jax.tree.map(lambda x: x.shape, state.opt_state)
@@ -367,7 +367,7 @@ def test_frozen_t5_backbone_is_bit_identical_after_adamw_steps():
         state, _ = tr.train_step(state, batch, jax.random.key(1))
     after = jax.device_get(state.params)
     moved = {k: not np.array_equal(a, b) for k, a, b in zip(
-        optimizers.param_paths(before), jax.tree.leaves(before), jax.tree.leaves(after))}
+        treepath.names(before), jax.tree.leaves(before), jax.tree.leaves(after))}
     assert all(moved[k] for k in moved if k.startswith("conditioning/"))
     frozen = [k for k in moved if not k.startswith("conditioning/")]
     assert frozen and not any(moved[k] for k in frozen), [k for k in frozen if moved[k]]

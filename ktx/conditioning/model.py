@@ -41,6 +41,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from ktx import treepath
 from ktx.conditioning.adapters import (
     ADAPTER_ACTIVATIONS,
     TaskAdapters,
@@ -356,11 +357,6 @@ def frozen_patterns(
     return ("(?!" + "|".join(trained) + ").*",)
 
 
-def _path(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                    for k in path)
-
-
 def trainable_mask(
     params: Any, train_backbone: bool, train_layer_norms: bool = False
 ) -> Any:
@@ -369,7 +365,7 @@ def trainable_mask(
     compiled = [re.compile(p) for p in frozen_patterns(train_backbone, train_layer_norms)]
 
     def keep(path, _):
-        name = _path(path)
+        name = treepath.name(path)
         return not any(rx.fullmatch(name) for rx in compiled)
 
     return jax.tree_util.tree_map_with_path(keep, params)

@@ -23,6 +23,7 @@ import numpy as np
 
 from ktx.convert import layout
 from ktx.convert.safetensors_io import read_safetensors, write_safetensors
+from ktx.run_dir import RunDir
 
 __all__ = ["CONDITIONING_FORMAT", "CONDITIONING_PREFIX", "export_conditioning", "load_conditioning"]
 
@@ -50,10 +51,9 @@ def export_conditioning(
         raise ValueError(f"{step_dir} holds no task-conditioned parameters ({CONDITIONING_PREFIX}...): "
                          "export the backbone with hf:DIR instead")
     metadata = {"format": CONDITIONING_FORMAT, "source": str(step_dir), "step": step_dir.name}
-    for run_dir in (step_dir.parent.parent, step_dir.parent):
-        if (run_dir / "config.gin").is_file():
-            metadata["config_gin"] = (run_dir / "config.gin").read_text()
-            break
+    run = RunDir.containing(step_dir)
+    if run is not None:
+        metadata["config_gin"] = run.config.read_text()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     write_safetensors(tmp, tensors, metadata)

@@ -1,7 +1,7 @@
 """The ktx T5 parameter layout: names and shapes from a `T5Config`, and back.
 
 Parameters are handled here as flat `{'/'-joined path: np.ndarray}` dicts (the paths of
-`ktx.optimizers.param_path`, e.g. `encoder/layers_0/attention/query/kernel`); `unflatten`
+`ktx.treepath.name`, e.g. `encoder/layers_0/attention/query/kernel`); `unflatten`
 gives the nested dict a flax `Transformer` takes as `{"params": ...}`.
 
 `expected_shapes(config)` is what `ktx.models.t5.Transformer(config)` creates (checked by

@@ -18,7 +18,7 @@ Preprocessing follows the MetaBalance paper (He et al., 2022): keep users with a
 train/validation/test, merge the auxiliary behaviours into training and remove from
 them every user-item pair in the target's validation or test split (leakage).
 
-`RecsysTrainInput` (interface §3) yields task-partitioned batches: each step holds a
+`RecsysTrainInput` (a `ktx.train.TrainInput`) yields task-partitioned batches: each step holds a
 fixed block of rows per behaviour (target first), positives with label 1 and
 `num_negatives` uniformly drawn non-interacted items per positive with label 0, the
 negatives and order re-drawn every epoch from `(seed, epoch, task)` only, so a batch is
@@ -45,7 +45,6 @@ __all__ = [
     "read_user_behavior",
     "read_ijcai15_log",
     "read_pair_file",
-    "read_pair_dir",
     "prepare_multibehavior",
     "load_tmall_pairs",
     "data_size",
@@ -159,19 +158,6 @@ def read_pair_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.
             out.append((user, item))
     counter.report()
     return np.asarray(out, np.int64).reshape(-1, 2)
-
-
-def read_pair_dir(
-    directory: str | os.PathLike,
-    behaviours: Sequence[str],
-    *,
-    on_bad_row: str = "raise",
-) -> Interactions:
-    """Reads `<directory>/<behaviour>.txt` for each behaviour."""
-    directory = pathlib.Path(directory)
-    return Interactions(
-        {b: read_pair_file(directory / f"{b}.txt", on_bad_row=on_bad_row) for b in behaviours}
-    )
 
 
 @dataclasses.dataclass
@@ -397,7 +383,7 @@ def _largest_remainder(total: int, sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 class RecsysTrainInput:
-    """Task-partitioned training batches over `MultiBehaviorData.train` (interface §3).
+    """Task-partitioned training batches over `MultiBehaviorData.train` (a `ktx.train.TrainInput`).
 
     A task's epoch stream is its positives plus `num_negatives` negatives per positive,
     shuffled; negatives are uniform over items the user has not interacted with in that

@@ -8,7 +8,7 @@ outputs are concatenated (`[batch, mlp_dims[-1] + embed_dim]`) and fed to one to
 cross-entropy on its own rows (`task_id`), averaged per task (`loss_normalization=
 "per_task"`), so `loss_fn` is the sum of task means that the paper optimises.
 
-Batches (interface §1): `user` int32 `[B]`, `item` int32 `[B]`, `label` float32 `[B]`
+Batches (`RecsysModel.input_spec`): `user` int32 `[B]`, `item` int32 `[B]`, `label` float32 `[B]`
 (1 for an interaction, 0 for a sampled negative), `task_id` int32 `[B]`.
 
 For full ranking, `RecsysModel` implements the scorer protocol of

@@ -4,9 +4,8 @@ MetaBalance with its baselines as optax transformations (see docs/balancing.md).
     task_losses, aux, task_grads = ktx.optim.compute_task_gradients(
         loss_sums_fn, model.normalizer(batch), params, batch,
         num_tasks=T, task_counts=counts)
-    tx = optax.chain(ktx.optim.metabalance(relax_factor=0.7), optax.adam(1e-3))
-    with ktx.optim.num_tasks_scope(T):
-      opt_state = tx.init(params)
+    tx = optax.chain(ktx.optim.metabalance(relax_factor=0.7, num_tasks=T), optax.adam(1e-3))
+    opt_state = tx.init(params)
     updates, opt_state = tx.update(task_grads, opt_state, params, task_losses=task_losses,
                                    task_present=counts > 0)
 
@@ -27,10 +26,15 @@ from ktx.optim.loss_weighting import (
 from ktx.optim.metabalance import STRATEGIES, MetaBalanceState, metabalance
 from ktx.optim.mgda import NORMALIZATIONS, mgda, min_norm_weights
 from ktx.optim.mtadam import MTAdamState, mtadam
-from ktx.optim.num_tasks import num_tasks_scope, resolve_num_tasks
+from ktx.optim.num_tasks import resolve_num_tasks
 from ktx.optim.olaux import OLAuxState, olaux
 from ktx.optim.plots import plot_gradient_magnitudes, read_gradient_magnitudes
-from ktx.optim.selection import DEFAULT_UNSHARED_PATTERNS, group_names, param_names, shared_mask
+from ktx.optim.selection import (
+    DEFAULT_UNSHARED_PATTERNS,
+    group_names,
+    param_names,
+    shared_mask,
+)
 from ktx.optim.surgery import PCGradState, grad_similarity, pcgrad, pcgrad_weights
 from ktx.optim.task_gradients import SparseRows, TaskGradients, as_task_gradients
 from ktx.optim.weighting import fixed_weights, single_loss, vanilla_multi
@@ -48,7 +52,6 @@ __all__ = [
     "shared_mask",
     "param_names",
     "group_names",
-    "num_tasks_scope",
     "resolve_num_tasks",
     "metabalance",
     "MetaBalanceState",

@@ -84,7 +84,7 @@ def metabalance(
       groups: regexes on parameter paths; tensors matching the same regex share one
         magnitude (the norm of their concatenation). None: per tensor.
       use_moving_average: False uses the current step's norms instead of `m`.
-      num_tasks: T; None reads `ktx.optim.num_tasks_scope` at init.
+      num_tasks: T; required by `init` (gin: `%NUM_TASKS`).
     """
     r = _check_unit("relax_factor", relax_factor)
     b = _check_unit("beta", beta, closed_right=False)

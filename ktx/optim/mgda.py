@@ -83,7 +83,6 @@ def _iterative_min_norm(gram: jax.Array, allowed: jax.Array, max_iters: int, tol
                         ) -> jax.Array:
     """FISTA (accelerated projected gradient, step 1/L with L = trace(G) >= lambda_max)
     from the uniform point, until the iterate moves less than `tol`."""
-    t = gram.shape[0]
     step = 1.0 / (2.0 * jnp.maximum(jnp.trace(gram), 1e-30))
     x0 = allowed / allowed.sum()
 

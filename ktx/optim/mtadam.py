@@ -109,7 +109,7 @@ def mtadam(
       weights: per-loss weights `r_t` (the reference's `ranks`), one per task; None: 1.
       weight_decay: `lambda` (L2, added to every task's normalised gradient); needs
         `params` in `update`.
-      num_tasks: T; None reads `ktx.optim.num_tasks_scope` at init.
+      num_tasks: T; required by `init` (gin: `%NUM_TASKS`).
     """
     for name, v in (("b1", b1), ("b2", b2), ("b3", b3)):
         if not isinstance(v, jax.core.Tracer) and not 0.0 <= float(v) < 1.0:

@@ -1,18 +1,12 @@
-"""How a balancer's `init(params)` learns the number of tasks T.
+"""The number of tasks T of a balancer, and checks shared by the balancers.
 
-optax's `init` only sees the parameters, but balancer state holds one value per task
-(moving norms, learnable weights). A factory takes `num_tasks=` explicitly; when it is
-left unset (gin files usually leave it), `init` reads it from `num_tasks_scope`, which
-the trainer opens around `tx.init(params)`:
-
-    with ktx.optim.num_tasks_scope(model.num_tasks):
-      opt_state = tx.init(params)
+optax's `init` only sees the parameters, but a stateful balancer holds one value per task
+(moving norms, learnable weights), so its factory takes `num_tasks=` (gin files bind it
+from the model's `NUM_TASKS` macro: `optim.metabalance.num_tasks = %NUM_TASKS`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import operator
 from typing import Any
 
@@ -20,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "num_tasks_scope",
     "resolve_num_tasks",
     "task_index",
     "check_task_index",
@@ -29,31 +22,12 @@ __all__ = [
     "present_tasks",
 ]
 
-_NUM_TASKS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "ktx_optim_num_tasks", default=None
-)
-
-
-@contextlib.contextmanager
-def num_tasks_scope(num_tasks: int):
-    """Within this block, balancer `init` calls without `num_tasks=` use `num_tasks`."""
-    if not isinstance(num_tasks, int) or isinstance(num_tasks, bool) or num_tasks < 1:
-        raise ValueError(f"num_tasks_scope(num_tasks={num_tasks!r}): expected a positive int")
-    token = _NUM_TASKS.set(num_tasks)
-    try:
-        yield num_tasks
-    finally:
-        _NUM_TASKS.reset(token)
-
-
 def resolve_num_tasks(num_tasks: int | None, method: str) -> int:
-    """`num_tasks` if given, else the enclosing `num_tasks_scope`, else a ValueError."""
-    if num_tasks is None:
-        num_tasks = _NUM_TASKS.get()
+    """`num_tasks` as a positive int; a ValueError naming the fix when it is unset."""
     if num_tasks is None:
         raise ValueError(
-            f"{method}.init: the number of tasks is unknown; pass {method}(num_tasks=...) "
-            "(gin: bind it) or call init inside `with ktx.optim.num_tasks_scope(T):`"
+            f"{method}.init: the number of tasks is unknown; pass {method}(num_tasks=T) "
+            f"(gin: `optim.{method}.num_tasks = %NUM_TASKS`, as gin/optim/{method}.gin does)"
         )
     try:
         t = None if isinstance(num_tasks, bool) else operator.index(num_tasks)
@@ -97,8 +71,8 @@ def check_state_tasks(method: str, state_tasks: int, grad_tasks: int) -> None:
     if state_tasks != grad_tasks:
         raise ValueError(
             f"{method}: the state was initialised for {state_tasks} tasks but the per-task "
-            f"gradients have {grad_tasks}; build it with {method}(num_tasks={grad_tasks}) (or "
-            f"init inside ktx.optim.num_tasks_scope({grad_tasks}))"
+            f"gradients have {grad_tasks}; build it with {method}(num_tasks={grad_tasks}) "
+            f"(gin: NUM_TASKS = {grad_tasks})"
         )
 
 

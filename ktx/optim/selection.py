@@ -23,6 +23,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from ktx import treepath
+
 __all__ = [
     "DEFAULT_UNSHARED_PATTERNS",
     "param_names",
@@ -36,23 +38,13 @@ DEFAULT_UNSHARED_PATTERNS = (
 )
 
 
-def _key_str(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
 def param_names(params: Any) -> list[str]:
     """The '/'-joined path of every leaf of `params`, in `jax.tree.leaves` order.
 
     Flax metadata boxes (`nn.Partitioned`) are named by their parameter's path, without
     the box's `value` field.
     """
-    leaves = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
-    )[0]
-    return ["/".join(_key_str(k) for k in path) for path, _ in leaves]
+    return treepath.names(params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 def _compile(patterns: Sequence[str], argument: str) -> list[re.Pattern]:

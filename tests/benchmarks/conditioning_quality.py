@@ -134,7 +134,7 @@ def run_one(args, train_input, method: str, seed: int) -> dict:
         model=model, train_input=train_input.replace(seed=seed), model_dir=model_dir,
         train_steps=args.steps, optimizer=optimizers.adamw(args.learning_rate, grad_clip_norm=1.0),
         seed=seed, log_period=max(1, args.steps // 4), checkpoint_period=10**9,
-        decode_eval_period=args.steps, decode_evaluator_fn=decode_eval,
+        eval_period=args.steps, evaluators=[decode_eval],
     )
     last = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     train_loss = [r for r in last if r.get("split") == "train" and r.get("task") == "all"]

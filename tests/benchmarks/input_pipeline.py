@@ -22,7 +22,6 @@ import resource
 import sys
 import time
 
-import numpy as np
 
 
 def _available_tasks(names):

@@ -70,9 +70,8 @@ def measure(model, batch, counts, steps, sparse=None):
         updates, opt_state = adam.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    tx = optax.chain(ko.metabalance(relax_factor=0.7), adam)
-    with ko.num_tasks_scope(T):
-        mb_state = tx.init(params)
+    tx = optax.chain(ko.metabalance(relax_factor=0.7, num_tasks=T), adam)
+    mb_state = tx.init(params)
 
     def balanced(method):
         @jax.jit

@@ -2,7 +2,7 @@
 
 Measures (1) one training epoch of the shared-bottom model (batch 256, one negative per
 positive) with Vanilla-Multi and with MetaBalance on one device, on the study's training
-path (`ktx.recsys_study.multi_step`: 64 steps per compiled call, state from
+path (`Trainer.train_steps` via `recsys_study.study_trainer`: 64 steps per compiled call, state from
 `ktx.trainer.Trainer`, sparse per-task embedding gradients) and, projected from 500
 steps, on the `ktx train` loop's path (one compiled step per call, prefetched batches);
 (2) the full-ranking evaluation of the Tmall test users over all 11,953 items (each
@@ -52,17 +52,18 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
 
 
 def epoch_seconds(data, balancer, steps: int, seed: int = 0, steps_per_call: int = 64) -> tuple[float, int]:
-    """Seconds of one epoch through `recsys_study.multi_step` (the study's training
+    """Seconds of one epoch through `Trainer.train_steps` (the study's training
     path: `steps_per_call` steps per compiled call, sparse per-task table gradients),
     batches built on the host inside the timed region."""
     model = recsys_study.build_model(data)
     inp = recsys_data.RecsysTrainInput(data, batch_size=256, num_negatives=1, seed=seed)
-    mesh = partitioning.create_mesh(1, devices=jax.local_devices()[:1])
-    trainer = Trainer(model, recsys_study.adam_l2(), mesh=mesh, balancer=balancer,
-                      shared=model.shared_param_patterns if balancer is not None else None)
-    with optim.num_tasks_scope(model.num_tasks):
-        state = trainer.init_state(jax.random.key(seed), inp.get_batch(0))
-    run = recsys_study.compile_multi_step(trainer, inp.task_counts(0), recsys_study.SPARSE_TABLES)
+    trainer = recsys_study.study_trainer(model, recsys_study.adam_l2(), balancer)
+    state = trainer.init_state(jax.random.key(seed), inp.get_batch(0))
+    counts = inp.task_counts(0)
+
+    def run(state, batches, rng):
+        return trainer.train_steps(state, batches, rng, counts)
+
     rng = jax.random.key(seed + 1)
 
     def block(lo, k):
@@ -121,14 +122,14 @@ def main() -> None:
     out["matmul_peak_gflops"] = round(matmul_peak(), 1)
     suffix = "" if args.train_steps <= 0 else "_projected"
     vm, steps = epoch_seconds(data, optim.vanilla_multi(), args.train_steps)
-    mb, _ = epoch_seconds(data, optim.metabalance(relax_factor=0.7), args.train_steps)
+    mb, _ = epoch_seconds(data, optim.metabalance(relax_factor=0.7, num_tasks=len(data.behaviours)), args.train_steps)
     out.update({"steps_per_epoch": steps, f"epoch_seconds_vanilla_multi{suffix}": round(vm, 2),
                 f"epoch_seconds_metabalance{suffix}": round(mb, 2),
                 "metabalance_over_vanilla": round(mb / vm, 3)})
     out["epoch_seconds_ktx_train_loop_vanilla_multi_projected"] = round(
         loop_epoch_seconds(data, optim.vanilla_multi()), 2)
     out["epoch_seconds_ktx_train_loop_metabalance_projected"] = round(
-        loop_epoch_seconds(data, optim.metabalance(relax_factor=0.7)), 2)
+        loop_epoch_seconds(data, optim.metabalance(relax_factor=0.7, num_tasks=len(data.behaviours))), 2)
     print(f"training: {out}", file=sys.stderr, flush=True)
 
     model = recsys_study.build_model(data)

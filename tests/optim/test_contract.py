@@ -15,20 +15,21 @@ import ktx.optim as ko
 
 T = 3
 FACTORIES = {
-    "metabalance": lambda: ko.metabalance(relax_factor=0.7),
-    "metabalance_reduce_groups": lambda: ko.metabalance(strategy="reduce", groups=[r"^body/"]),
+    "metabalance": lambda: ko.metabalance(relax_factor=0.7, num_tasks=T),
+    "metabalance_reduce_groups": lambda: ko.metabalance(strategy="reduce", groups=[r"^body/"],
+                                                        num_tasks=T),
     "single_loss": ko.single_loss,
     "vanilla_multi": ko.vanilla_multi,
     "fixed_weights": lambda: ko.fixed_weights([1.0, 0.5, 0.25]),
-    "uncertainty": ko.uncertainty,
-    "dwa": ko.dwa,
-    "gradnorm": ko.gradnorm,
+    "uncertainty": lambda: ko.uncertainty(num_tasks=T),
+    "dwa": lambda: ko.dwa(num_tasks=T),
+    "gradnorm": lambda: ko.gradnorm(num_tasks=T),
     "mgda": lambda: ko.mgda(normalization="loss+"),
-    "mtadam": ko.mtadam,
+    "mtadam": lambda: ko.mtadam(num_tasks=T),
     "grad_similarity": ko.grad_similarity,
     "pcgrad": ko.pcgrad,
     "pcgrad_anchored": lambda: ko.pcgrad(anchor=0),
-    "olaux": lambda: ko.olaux(horizon=2),
+    "olaux": lambda: ko.olaux(horizon=2, num_tasks=T),
 }
 
 
@@ -66,8 +67,7 @@ def test_contract(name, tmp_path):
     for opt in optimizers:
         tx = optax.chain(FACTORIES[name](), opt)
         params = _params()
-        with ko.num_tasks_scope(T):
-            state = tx.init(params)
+        state = tx.init(params)
         shapes0 = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         step = jax.jit(lambda tg, s, p, losses, present=jnp.ones((T,), bool): tx.update(
             tg, s, p, task_losses=losses, task_present=present))
@@ -102,8 +102,7 @@ def test_gradient_accumulation_and_nonfinite_guard_after_the_balancer(name):
                   optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=2)):
         tx = optax.chain(FACTORIES[name](), inner)
         params = _params()
-        with ko.num_tasks_scope(T):
-            state = tx.init(params)
+        state = tx.init(params)
         shapes0 = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         step = jax.jit(lambda tg, s, p: tx.update(tg, s, p, task_losses=jnp.array([1.0, 2.0, 0.5])))
         for i in range(3):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ktx.optim import TaskGradients, metabalance, num_tasks_scope
+from ktx.optim import TaskGradients, metabalance
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "metabalance_reference.json"
 
@@ -71,9 +71,9 @@ def test_strategies(strategy, want):
 
 
 def test_groups_share_one_magnitude():
-    tx = metabalance(relax_factor=1.0, use_moving_average=False, groups=[r"^dense/"], eps=0.0)
-    with num_tasks_scope(2):
-        state = tx.init({"dense": {"a": jnp.zeros(1), "b": jnp.zeros(1)}, "c": jnp.zeros(1)})
+    tx = metabalance(relax_factor=1.0, use_moving_average=False, groups=[r"^dense/"], eps=0.0,
+                     num_tasks=2)
+    state = tx.init({"dense": {"a": jnp.zeros(1), "b": jnp.zeros(1)}, "c": jnp.zeros(1)})
     g = {"dense": {"a": jnp.array([[3.0], [0.0]]), "b": jnp.array([[4.0], [10.0]])},
          "c": jnp.array([[1.0], [2.0]])}
     out, state = tx.update(TaskGradients.from_stacked(g), state)

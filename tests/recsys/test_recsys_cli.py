@@ -98,8 +98,8 @@ def _train(tmp_path, evaluator, epochs, patience, model_dir="run"):
                         mlp_dims=(4, 2), tower_dims=(4,), dropout_rate=0.0)
     state = train(model=model, train_input=inp, model_dir=tmp_path / model_dir,
                   train_epochs=epochs, optimizer=optax.adam(1e-2), log_period=1000,
-                  checkpoint_period="epoch", decode_eval_period="epoch",
-                  decode_evaluator_fn=evaluator, early_stopping_metric="ndcg@10",
+                  checkpoint_period="epoch", eval_period="epoch",
+                  evaluators=[evaluator], early_stopping_metric="ndcg@10",
                   early_stopping_patience=patience)
     return int(state.step), inp.steps_per_epoch
 
@@ -261,7 +261,7 @@ def test_resumed_recsys_run_equals_an_uninterrupted_one(tmp_path):
                             mlp_dims=(4, 2), tower_dims=(4,), dropout_rate=0.3)
         return train(model=model, train_input=inp, model_dir=tmp_path / model_dir,
                      train_epochs=epochs, optimizer=optax.adam(1e-2), log_period=1000,
-                     checkpoint_period="epoch", balancer=optim.metabalance(relax_factor=0.5),
+                     checkpoint_period="epoch", balancer=optim.metabalance(relax_factor=0.5, num_tasks=3),
                      shared=model.shared_param_patterns,
                      sparse_tables=(r"_embedding/embedding$",), seed=5)
 

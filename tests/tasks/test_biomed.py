@@ -230,7 +230,7 @@ def test_mediqa_reader_targets_and_entities(tmp_path):
 def test_mediqa_reader_bad_rows(tmp_path, answers, message):
     text = _mediqa([("8", "ok", [_answer("ok", 1, 4)])]).replace(
         "</MEDIQA2019-Task3-QA-ValidationSet>", ""
-    ) + "".join([f'<Question QID="9">\n<QuestionText>q</QuestionText>\n<AnswerList>\n', *answers,
+    ) + "".join(['<Question QID="9">\n<QuestionText>q</QuestionText>\n<AnswerList>\n', *answers,
                  "</AnswerList>\n</Question>\n</MEDIQA2019-Task3-QA-ValidationSet>\n"])
     path = _write(tmp_path / "q.xml", text)
     question_line = text[: text.index('QID="9"')].count("\n") + 1

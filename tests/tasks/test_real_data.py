@@ -11,7 +11,6 @@ import seqio
 
 import ktx.tasks  # noqa: F401
 from ktx.data import files
-from ktx.metrics import glue as glue_metrics
 from ktx.tasks import config
 
 # task, split, file under the data folder, header lines
