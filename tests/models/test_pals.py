@@ -92,14 +92,15 @@ def test_each_row_is_conditioned_by_its_own_task():
     model = pals.PalsClassifierModel(TINY, num_labels=(3, 1, 2), pals_size=12)
     batch = _tiny_batch((0, 2, 1, 0, 2, 2, 1, 0))
     params = nn.unbox(model.init_variables(jax.random.key(0), batch)["params"])
-    mixed, _ = model.encode(params, batch)
+    encode = jax.jit(lambda b: model.encode(params, b)[0][-1])
+    mixed = encode(batch)
+    as_0 = encode(dict(batch, task_id=np.zeros(8, np.int32)))
     for t in range(3):
-        whole, _ = model.encode(params, dict(batch, task_id=np.full(8, t, np.int32)))
+        whole = encode(dict(batch, task_id=np.full(8, t, np.int32)))
         rows = batch["task_id"] == t
-        np.testing.assert_allclose(mixed[-1][rows], whole[-1][rows], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(mixed[rows], whole[rows], rtol=0, atol=1e-6)
         if t:
-            assert np.abs(np.asarray(whole[-1]) - np.asarray(
-                model.encode(params, dict(batch, task_id=np.zeros(8, np.int32)))[0][-1])).max() > 1e-4
+            assert np.abs(np.asarray(whole) - np.asarray(as_0)).max() > 1e-4
 
 
 def test_pal_layers_subset():
@@ -227,3 +228,22 @@ def test_reader_refuses_other_directories(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="pickles, never loaded"):
         read_pals(tmp_path)
+
+
+def test_starts_from_a_bert_checkpoint():
+    """`hf:DIR` as INITIAL_CHECKPOINT_PATH fills the backbone (BERT's names); the PALs,
+    heads and the absent pooler start from their initializers."""
+    from ktx import checkpoints, convert
+
+    folder = FIXTURE.parent / "checkpoints" / "hf_bert_tiny"
+    if not (folder / "config.json").is_file():
+        pytest.skip(f"BERT checkpoint fixture not found at {folder}")
+    model = pals.PalsClassifierModel(convert.read_hf_bert(folder).config, num_labels=(3, 1),
+                                     pals_size=12)
+    spec = model.input_spec(2, {"inputs": 10})
+    init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), spec)["params"]))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
+    params, report = checkpoints.load_initial_params(f"hf:{folder}", abstract, init)
+    assert {p.split("/")[0] for p in report.initialized} == {"conditioning", "pooler", "task_heads"}
+    word = convert.read_hf_bert(folder).params["embeddings"]["word_embeddings"]["embedding"]
+    np.testing.assert_array_equal(params["embeddings"]["word_embeddings"]["embedding"], word)
