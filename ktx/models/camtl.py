@@ -48,11 +48,13 @@ Parameters (measured with `ktx params`, shapes only): BERT-Base, 9 GLUE tasks,
       --gin_file=gin/conditioning/ca_mtl.gin --gin.NUM_TASKS=9 \
       --gin.NUM_LABELS="(2, 2, 2, 1, 2, 3, 2, 2, 2)"
 
-    backbone (BERT-Base + pooler + 9 heads) 109,493,774; task-conditioned 19,748,591;
-    total 129,242,365: 1.1804x plain BERT-Base + 9 heads (paper, Table 2: 1.12x).
+    backbone (BERT-Base + pooler + 9 heads) 109,496,082; task-conditioned 19,741,456;
+    total 129,237,538: 1.1803x plain BERT-Base + 9 heads (paper, Table 2: 1.12x).
     Trainable with the bottom half frozen (FROZEN_LAYERS = 'half': embeddings + layers
-    0-5, 66,992,640): 62,249,725 = 48.2% of the total, 5.35% per task (/ 9) (paper,
-    Table 2: 5.6% trained parameters per task). `trainable_parameters(model)` counts them.
+    0-5, 66,364,416 frozen): 62,873,122 = 48.65% of the total, 5.41% per task (/ 9)
+    (paper, Table 2: 5.6% trained parameters per task). `trainable_parameters(model)`
+    counts them. Most of the difference to 1.12x is the conditional layer norms' FiLM
+    generators (E x 2E each, 12 of them: 14.2M) and the alignment (1.2M).
 
 Dropout (BERT's rates) is keyed per row (`ktx.models.base.row_keys`), as
 `ktx.models.encoder.EncoderClassifierModel`; the bottleneck has none (as the reference).
@@ -74,7 +76,15 @@ from ktx.models import bert, encoder
 from ktx.models.base import Batch, row_keys
 from ktx.params import CONDITIONING_SCOPE
 from ktx.partitioning import (
-    BATCH, EMBED, HEADS, HYPER_BOTTLENECK, KV, LENGTH, MLP, TASK_EMBED, TASKS,
+    BATCH,
+    EMBED,
+    HEADS,
+    HYPER_BOTTLENECK,
+    KV,
+    LENGTH,
+    MLP,
+    TASK_EMBED,
+    TASKS,
 )
 
 __all__ = [
@@ -607,7 +617,7 @@ def _frozen_mask(params: Any, patterns: Sequence[str]) -> Any:
         lambda path, _: any(rx.fullmatch(_path_name(path)) for rx in compiled), params)
 
 
-def trainable_parameters(model: "CaMtlClassifierModel") -> dict[str, int]:
+def trainable_parameters(model: CaMtlClassifierModel) -> dict[str, int]:
     """`{"total", "frozen", "trainable"}` parameter counts of `model` from shapes only."""
     spec = model.input_spec(1, {"inputs": model.camtl.max_seq_length})
     abstract = nn.unbox(jax.eval_shape(model.init_variables, jax.random.key(0), spec)["params"])
@@ -623,13 +633,15 @@ def trainable_parameters(model: "CaMtlClassifierModel") -> dict[str, int]:
 
 def normalised_entropy(logits: Array) -> Array:
     """`[..., n]` logits -> `[...]` entropy of `softmax(logits)` over `log(n) + 1e-5`
-    (0 for a 1-output regression head): what MT-uncertainty sampling ranks rows by."""
-    logits = jnp.asarray(logits, jnp.float32)
+    (0 for a 1-output regression head): what MT-uncertainty sampling ranks rows by. No
+    gradient flows through it (the reference detaches the logits)."""
+    logits = jax.lax.stop_gradient(jnp.asarray(logits, jnp.float32))  # a score, as the reference
     n = logits.shape[-1]
     if n == 1:
         return jnp.zeros(logits.shape[:-1], jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # 0 log 0 = 0
     return entropy / (math.log(n) + _ENTROPY_EPS)
 
 
