@@ -300,3 +300,20 @@ def test_gin_file_builds_the_paper_setting():
     counts = camtl.trainable_parameters(model)
     assert 0 < counts["frozen"] < counts["total"]
     assert isinstance(model, encoder.EncoderClassifierModel)
+
+
+def test_a_bert_checkpoint_fills_the_backbone():
+    """`hf:DIR` (a plain BERT) as the initial checkpoint: every BERT parameter is restored;
+    `conditioning/`, the pooler the checkpoint lacks and the heads start from init."""
+    from tests.convert.conftest import checkpoint_fixture
+
+    folder = checkpoint_fixture("hf_bert_tiny")
+    model = camtl.CaMtlClassifierModel(
+        convert.read_hf_bert(folder).config, camtl=camtl.CaMtlConfig(max_seq_length=16),
+        num_labels=(3, 1))
+    spec = model.input_spec(2, {"inputs": 16})
+    init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), spec)["params"]))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
+    params, report = checkpoints.load_initial_params(f"hf:{folder}", abstract, init)
+    assert {p.split("/")[0] for p in report.initialized} == {"conditioning", "pooler", "task_heads"}
+    assert all(p.startswith(("embeddings/", "layers_")) for p in report.restored)
