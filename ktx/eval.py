@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from ktx import partitioning
+from ktx.data import feature_converter as fc
 from ktx.checkpoints import restore_params_skipping_corrupt
 from ktx.models.base import BaseModel
 from ktx.run_dir import RunDir
@@ -253,8 +254,8 @@ class DecodeEvaluator:
     def _batches(self, ds, task_id: int) -> Iterable[tuple[np.ndarray, dict[str, np.ndarray], int]]:
         for index, features in ds.batch(self.batch_size).as_numpy_iterator():
             n = len(index)
-            batch = {k: np.asarray(v) for k, v in features.items()}
-            batch["task_id"] = np.full((n,), task_id, np.int32)
+            batch = fc.add_task_id({k: np.asarray(v) for k, v in features.items()}, task_id,
+                                   np.int32)
             yield np.asarray(index), _local_rows(_pad(batch, self.batch_size)), n
 
     def __call__(

@@ -27,6 +27,7 @@ import optax
 from ktx import leaderboard as lb
 from ktx import partitioning
 from ktx.checkpoints import resolve_checkpoint, restore_params
+from ktx.data import feature_converter as fc
 from ktx.eval import _local_rows, _pad, _strip, abstract_params_for, make_predict_fn
 from ktx.models.base import BaseModel
 from ktx.trainer import Trainer
@@ -50,11 +51,8 @@ def encode_batch(examples: list[dict], task_id: int, lengths: Mapping[str, int])
         if "targets" in ex:
             t = np.asarray(ex["targets"], np.int32)[:ld]
             dec[i, : len(t)] = t
-    return {
-        "encoder_input_tokens": enc,
-        "decoder_target_tokens": dec,
-        "task_id": np.full((len(examples),), task_id, np.int32),
-    }
+    return fc.add_task_id({"encoder_input_tokens": enc, "decoder_target_tokens": dec},
+                          task_id, np.int32)
 
 
 def infer(

@@ -17,6 +17,7 @@ dtype that holds their values (`compact`) and widened to the model dtypes on gat
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -234,12 +235,14 @@ def convert_enc_dec(
     return out
 
 
-def add_task_id(features: Mapping[str, np.ndarray], task_id: int) -> dict[str, np.ndarray]:
-    """Adds `task_id` `[R]` (every row of one task's features gets `task_id`)."""
+def add_task_id(features: Mapping[str, np.ndarray], task_id: int,
+                dtype: Any = np.int64) -> dict[str, np.ndarray]:
+    """Adds `task_id` `[R]` (every row of one task's features gets `task_id`); the one
+    place a task's rows are labelled (training cache, evaluation, inference)."""
     if task_id < 0:
         raise ValueError(f"task_id={task_id!r}; accepted: an int >= 0")
     num_rows = next(iter(features.values())).shape[0]
-    return {**features, "task_id": np.full(num_rows, task_id, np.int64)}
+    return {**features, "task_id": np.full(num_rows, task_id, dtype)}
 
 
 def compact(features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

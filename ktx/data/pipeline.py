@@ -424,8 +424,7 @@ class MultiTaskInput:
         if path is not None and path.is_file():
             with np.load(path) as data:
                 arrays = {k: data[k] for k in data.files}
-            arrays["task_id"] = np.full(arrays["encoder_input_tokens"].shape[0], task, np.uint16)
-            return arrays
+            return fc.add_task_id(arrays, task, np.uint16)
         seqio_task = seqio.get_mixture_or_task(name)
         if split not in seqio_task.splits:
             raise ValueError(f"task {name!r} has no split {split!r}; splits: {tuple(seqio_task.splits)}")
@@ -453,5 +452,4 @@ class MultiTaskInput:
             tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
             np.savez(tmp, **arrays)
             os.replace(tmp, path)
-        arrays["task_id"] = np.full(arrays["encoder_input_tokens"].shape[0], task, np.uint16)
-        return arrays
+        return fc.add_task_id(arrays, task, np.uint16)

@@ -22,6 +22,7 @@ def test_gin_file_builds_balancer(path):
     gin.clear_config()
     gin.add_config_file_search_path(str(GIN_DIR))
     try:
+        gin.parse_config("NUM_TASKS = 3")  # the model file's macro
         gin.parse_config_file(str(path))
         balancer = gin.query_parameter("%BALANCER").scoped_configurable_fn()
         assert isinstance(balancer, optax.GradientTransformation)
