@@ -17,14 +17,14 @@ import optax
 import pytest
 
 from ktx import partitioning
-from ktx.checkpoints import (
+from ktx.training.checkpoints import (
     CheckpointManager,
     CheckpointShapeError,
     load_initial_params,
     resolve_checkpoint,
     restore_params,
 )
-from ktx.trainer import Trainer
+from ktx.training.trainer import Trainer
 from tests.test_trainer import ToyInput, ToyModel
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ _SCRIPT = textwrap.dedent(
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, {repo!r})
     import optax
-    from ktx.train import train
+    from ktx.runs.train import train
     from tests.test_trainer import ToyInput, ToyModel
 
     class SlowInput(ToyInput):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ktx import cli
-from ktx.summaries import read_metrics
+from ktx.training.summaries import read_metrics
 from tests.tiny_t5_gin import tiny_t5_gin
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def test_split_gin_flags():
 def test_unknown_parameter_names_file_line_and_close_name(tmp_path):
     f = _write(tmp_path, "bad.gin", (
         "from __gin__ import dynamic_registration\n"
-        "import ktx.optimizers as optimizers\n"
+        "import ktx.training.optimizers as optimizers\n"
         "\n"
         "optimizers.adafactor.decay_rat = 0.8\n"
     ))
@@ -59,7 +59,7 @@ def test_unknown_parameter_names_file_line_and_close_name(tmp_path):
 def test_misspelt_configurable_suggests_close_name(tmp_path):
     f = _write(tmp_path, "bad.gin", (
         "from __gin__ import dynamic_registration\n"
-        "import ktx.optimizers as optimizers\n"
+        "import ktx.training.optimizers as optimizers\n"
         "optimizers.adafactr.decay_rate = 0.8\n"
     ))
     with pytest.raises(cli.GinConfigError) as e:
@@ -138,7 +138,7 @@ def test_train_resume_eval_infer_end_to_end(tmp_path, capsys):
     gin.clear_config(clear_constants=True)
     straight = tmp_path / "straight"
     assert cli.main(["train", *_flags(model_gin, straight, 4)]) == 0
-    from ktx.checkpoints import resolve_checkpoint, saved_param_shapes  # noqa: F401
+    from ktx.training.checkpoints import resolve_checkpoint, saved_param_shapes  # noqa: F401
     import orbax.checkpoint as ocp
 
     a = ocp.PyTreeCheckpointer().restore(resolve_checkpoint(run) / "state")["params"]

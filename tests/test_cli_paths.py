@@ -149,7 +149,7 @@ def test_learning_rate_as_a_number(workdir, capsys):
     """optax accepts a float learning rate; so does every ktx optimizer and the trainer."""
     code, err = _train(capsys, "--gin.TRAIN_STEPS=2", "--gin.BATCH_SIZE=8", "--gin.LEARNING_RATE=1e-3")
     assert code == 0, err
-    from ktx.summaries import read_metrics
+    from ktx.training.summaries import read_metrics
 
     lrs = {r["learning_rate"] for r in read_metrics(workdir / "runs" / "e")
            if r["split"] == "train" and "learning_rate" in r}

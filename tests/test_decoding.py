@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ktx import decoding
+from ktx.models import decoding
 from ktx.models import seq2seq, t5
 
 # Tokens: 0 start, 1 EOS, 2 A, 3 B, 4 C. p(next | previous):

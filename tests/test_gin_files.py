@@ -59,7 +59,7 @@ def test_run_files_use_t5x_macro_names(path):
 
 def test_parse_error_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.gin"
-    bad.write_text("from __gin__ import dynamic_registration\nimport ktx.optimizers as o\n"
+    bad.write_text("from __gin__ import dynamic_registration\nimport ktx.training.optimizers as o\n"
                    "o.adamw.learnin_rate = 1.0\n")
     gin.clear_config(clear_constants=True)
     with pytest.raises(cli.GinConfigError, match=rf"(?s){re.escape(str(bad))}:3.*learning_rate"):

@@ -13,7 +13,7 @@ import pytest
 import seqio
 
 import ktx.tasks  # noqa: F401
-from ktx import infer, leaderboard as lb
+from ktx.runs import infer, leaderboard as lb
 from ktx.tasks import glue, super_glue
 from tests.tasks._fixtures import formatted, root, write  # noqa: F401
 
@@ -102,7 +102,7 @@ _GLUE_KEY_TASK = {  # submission key -> (task, split)
 }
 _SG_KEY_TASK = {k: (f"super_glue_{k}_v102", "test") for k in lb.SUPER_GLUE_SUBMISSION}
 
-# What each server accepts, written out independently of ktx.leaderboard's tables.
+# What each server accepts, written out independently of ktx.runs.leaderboard's tables.
 _GLUE_FILES = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "qqp": "QQP",
                "mnli_matched": "MNLI-m", "mnli_mismatched": "MNLI-mm", "qnli": "QNLI",
                "rte": "RTE", "wnli": "WNLI", "ax": "AX"}

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ktx.summaries import read_metrics
+from ktx.training.summaries import read_metrics
 from tests.tiny_t5_gin import tiny_t5_gin
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -8,8 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from ktx import optimizers, partitioning
-from ktx.trainer import Trainer
+from ktx import partitioning
+from ktx.training import optimizers
+from ktx.training.trainer import Trainer
 
 seq2seq = pytest.importorskip("ktx.models.seq2seq")
 t5 = pytest.importorskip("ktx.models.t5")

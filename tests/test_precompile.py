@@ -8,9 +8,10 @@ import gin
 import jax
 import pytest
 
-from ktx import cli, optim, optimizers
+from ktx import cli, optim
+from ktx.training import optimizers
 from ktx.models import seq2seq, t5
-from ktx.precompile import precompile, topology_devices
+from ktx.training.precompile import precompile, topology_devices
 from tests.tiny_t5_gin import tiny_t5_gin
 
 
@@ -38,7 +39,7 @@ def test_report_on_local_devices_counts_the_sharded_state():
     n = len(jax.devices())
     assert plain.num_devices == n and plain.mesh_shape == {"data": n // 2, "model": 2}
     # AdamW: params + 2 moments; each device holds at least its share of them.
-    from ktx import params as kparams
+    from ktx.analysis import params as kparams
 
     total_params = kparams.count_parameters(model)["total"]
     assert plain.argument_bytes >= 3 * 4 * total_params / n
@@ -82,7 +83,7 @@ def test_tpu_topology_fits_and_overshoots():
                     task_feature_lengths={"inputs": 32, "targets": 8})
     assert ok.fits and ok.hbm_bytes == 16 * 2**30 * 4 // ok.num_devices
     assert ok.predicted_step_seconds > 0
-    from ktx.precompile import DoesNotFitError
+    from ktx.training.precompile import DoesNotFitError
 
     with pytest.raises(DoesNotFitError, match=r"v5e:2x2.*does not fit.*HBM"):
         precompile(_model(num_tasks=2), optimizers.adamw(1e-3), topology="v5e:2x2",

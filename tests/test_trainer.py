@@ -16,11 +16,13 @@ import numpy as np
 import optax
 import pytest
 
-from ktx import optimizers, partitioning, trainer as trainer_lib, treepath
+from ktx import treepath
+from ktx import partitioning
+from ktx.training import optimizers, trainer as trainer_lib
 from ktx.models.base import BaseModel, segment_sum_by_task
-from ktx.summaries import read_metrics
-from ktx.eval import TeacherForcedEvaluator
-from ktx.train import NonFiniteLossError, train
+from ktx.training.summaries import read_metrics
+from ktx.runs.eval import TeacherForcedEvaluator
+from ktx.runs.train import NonFiniteLossError, train
 
 
 class _Mlp(nn.Module):
@@ -90,7 +92,7 @@ class ToyModel(BaseModel):
 
 
 class ToyInput:
-    """A `ktx.train.TrainInput`: task-partitioned batches, a pure function of (seed, step)."""
+    """A `ktx.runs.train.TrainInput`: task-partitioned batches, a pure function of (seed, step)."""
 
     task_names = ("toy_a_v001", "toy_b_v001")
     num_tasks = 2
@@ -259,7 +261,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
             model=ToyModel(nan_after=100.0), train_input=ToyInput(grow_after=5), model_dir=tmp_path,
             optimizer=optax.sgd(0.1), train_steps=10, log_period=3, checkpoint_period=2,
         )
-    from ktx.checkpoints import CheckpointManager
+    from ktx.training.checkpoints import CheckpointManager
 
     assert CheckpointManager(tmp_path).all_steps() == [2, 4]
 

@@ -202,7 +202,7 @@ def analyze_checkpoint(
 ) -> dict[str, Any]:
     """`analyze_attention` on the parameters of a run's checkpoint (a run dir, its
     `checkpoints/` dir or a step dir); every parameter must be in the checkpoint."""
-    from ktx import checkpoints
+    from ktx.training import checkpoints
 
     batches = list(batches)
     if not batches:

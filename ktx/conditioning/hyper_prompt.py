@@ -23,7 +23,7 @@ Variants (`variant`):
 
 For `"global"` the parameters of one side are exactly
 `d l T + 4 b d t + T t' + M t' + (2 t' + t) e` when `heads * head_dim == d` (the closed
-form of He et al., 2022; `ktx.params.hyperprompt_global_closed_form`).
+form of He et al., 2022; `ktx.analysis.params.hyperprompt_global_closed_form`).
 
 `__call__()` returns the key and value prompts of every layer and task,
 `[M, T, l, heads, head_dim]` each: computed once per task per step, then gathered per

@@ -24,12 +24,12 @@ gathers per example by `task_id`.
 
 The backbone parameters keep plain T5's names and shapes, so a plain T5 checkpoint loads
 into the backbone. Which parameters train is declared as regexes over '/'-joined parameter
-paths (`frozen_patterns`, the format of `ktx.optimizers.freeze`):
+paths (`frozen_patterns`, the format of `ktx.training.optimizers.freeze`):
 `ConditionedEncoderDecoderModel(train_backbone=False)` freezes every parameter outside
 `conditioning`, except T5's own layer norms with `train_layer_norms=True` (HyperFormer's
 configuration: T5's layer norms, the hypernetworks and the task embeddings train). The
 model stops the frozen parameters' gradients inside the loss; `model.frozen_patterns`
-handed to `ktx.optimizers.freeze` also gives them no optimizer update at all.
+handed to `ktx.training.optimizers.freeze` also gives them no optimizer update at all.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from ktx.conditioning.hyperformer import HyperFormer
 from ktx.conditioning.prompt_tuning import PromptTuning
 from ktx.conditioning.task_embedding import TaskEmbedding, gather_by_task
 from ktx.models import seq2seq, t5
-from ktx.params import CONDITIONING_SCOPE
+from ktx.analysis.params import CONDITIONING_SCOPE
 
 __all__ = [
     "METHODS",
@@ -324,7 +324,7 @@ class ConditionedTransformer(t5.Transformer):
         if isinstance(self.num_tasks, bool) or not isinstance(self.num_tasks, int) or self.num_tasks < 1:
             raise ValueError(f"ConditionedTransformer.num_tasks={self.num_tasks!r}; accepted: int >= 1")
         self.token_embedder = t5.Embed(cfg.vocab_size, cfg.emb_dim, dtype=cfg.activation_dtype)
-        # The attribute name is `ktx.params.CONDITIONING_SCOPE`: all conditioning params.
+        # The attribute name is `ktx.analysis.params.CONDITIONING_SCOPE`: all conditioning params.
         self.conditioning = Conditioner(self.conditioning_config, cfg, self.num_tasks)
         self.encoder = ConditionedEncoder(
             config=cfg, shared_embedding=self.token_embedder,
@@ -339,7 +339,7 @@ class ConditionedTransformer(t5.Transformer):
 def frozen_patterns(
     train_backbone: bool = True, train_layer_norms: bool = False
 ) -> tuple[str, ...]:
-    """Regexes (full match on '/'-joined parameter paths, as `ktx.optimizers.freeze`)
+    """Regexes (full match on '/'-joined parameter paths, as `ktx.training.optimizers.freeze`)
     of the parameters that do not train.
 
     `train_backbone=True`: none. Otherwise every parameter outside `conditioning/`,
@@ -377,7 +377,7 @@ class ConditionedEncoderDecoderModel(seq2seq.EncoderDecoderModel):
     `train_backbone=False` stops the gradient of every parameter outside `conditioning`
     (but T5's layer norms when `train_layer_norms`) inside `loss_sums`, so only the
     task-conditioned parameters (and those norms) are trained. `frozen_patterns` holds the
-    regexes of the frozen parameters, for `ktx.optimizers.freeze`.
+    regexes of the frozen parameters, for `ktx.training.optimizers.freeze`.
     """
 
     def __init__(

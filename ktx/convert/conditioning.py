@@ -23,7 +23,7 @@ import numpy as np
 
 from ktx.convert import layout
 from ktx.convert.safetensors_io import read_safetensors, write_safetensors
-from ktx.run_dir import RunDir
+from ktx.runs.run_dir import RunDir
 
 __all__ = ["CONDITIONING_FORMAT", "CONDITIONING_PREFIX", "export_conditioning", "load_conditioning"]
 

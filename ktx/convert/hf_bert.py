@@ -63,7 +63,7 @@ __all__ = [
 MODEL_TYPES = ("bert",)
 # Top-level parameter scopes a model started from a BERT checkpoint may have without the
 # checkpoint holding them (task heads; the pooler of an MLM checkpoint) or may leave unused
-# (the MLM head of a classifier): `ktx.checkpoints.load_initial_params` initializes or
+# (the MLM head of a classifier): `ktx.training.checkpoints.load_initial_params` initializes or
 # skips them and reports it.
 PARTIAL_SCOPES = ("pooler", "mlm", "task_heads")
 _ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new"}

@@ -6,7 +6,7 @@
     OUT/checkpoints/0/state       orbax: step 0, the parameters, no optimizer state
     OUT/checkpoints/0/meta        JSON: step, source, t5_config (the T5Config fields)
 
-which `ktx.checkpoints.load_initial_params` / `resolve_checkpoint` read like a run
+which `ktx.training.checkpoints.load_initial_params` / `resolve_checkpoint` read like a run
 directory (`INITIAL_CHECKPOINT_PATH = 'OUT'`). `export_checkpoint(SRC, "hf:DIR")` reads
 the parameters of a ktx run or checkpoint (latest step or `step`) and writes a Hugging
 Face T5 directory.
@@ -130,9 +130,9 @@ def write_ktx_checkpoint(
 ) -> pathlib.Path:
     """Writes `params` (checked against `config`, a `T5Config` or `BertConfig`) as a ktx
     checkpoint directory (step 0, `model.gin`); all or nothing (`out` must be new or empty)."""
-    from ktx.checkpoints import CheckpointManager
+    from ktx.training.checkpoints import CheckpointManager
     from ktx.convert import camtl, hf_bert
-    from ktx.trainer import TrainState
+    from ktx.training.trainer import TrainState
 
     flat = {k: np.asarray(v, np.float32) for k, v in layout.flatten(params).items()}
     if isinstance(config, camtl.CaMtlCheckpointConfig):
@@ -169,8 +169,8 @@ def read_ktx_checkpoint(
     import jax
     import orbax.checkpoint as ocp
 
-    from ktx.checkpoints import _reading, resolve_checkpoint
-    from ktx.summaries import quiet_absl
+    from ktx.training.checkpoints import _reading, resolve_checkpoint
+    from ktx.training.summaries import quiet_absl
 
     step_dir = resolve_checkpoint(path, step)
 

@@ -117,7 +117,7 @@ def _check_batching(layout: str, batch_size: int, process_index: int, process_co
 
 
 class MultiTaskInput:
-    """Deterministic multi-task batches of a SeqIO task or mixture (a `ktx.train.TrainInput`).
+    """Deterministic multi-task batches of a SeqIO task or mixture (a `ktx.runs.train.TrainInput`).
 
     Args:
       mixture_or_task_name: a registered SeqIO task or mixture (tasks need `inputs` and

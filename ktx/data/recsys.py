@@ -18,7 +18,7 @@ Preprocessing follows the MetaBalance paper (He et al., 2022): keep users with a
 train/validation/test, merge the auxiliary behaviours into training and remove from
 them every user-item pair in the target's validation or test split (leakage).
 
-`RecsysTrainInput` (a `ktx.train.TrainInput`) yields task-partitioned batches: each step holds a
+`RecsysTrainInput` (a `ktx.runs.train.TrainInput`) yields task-partitioned batches: each step holds a
 fixed block of rows per behaviour (target first), positives with label 1 and
 `num_negatives` uniformly drawn non-interacted items per positive with label 0, the
 negatives and order re-drawn every epoch from `(seed, epoch, task)` only, so a batch is
@@ -383,7 +383,7 @@ def _largest_remainder(total: int, sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 class RecsysTrainInput:
-    """Task-partitioned training batches over `MultiBehaviorData.train` (a `ktx.train.TrainInput`).
+    """Task-partitioned training batches over `MultiBehaviorData.train` (a `ktx.runs.train.TrainInput`).
 
     A task's epoch stream is its positives plus `num_negatives` negatives per positive,
     shuffled; negatives are uniform over items the user has not interacted with in that

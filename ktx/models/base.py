@@ -94,7 +94,7 @@ class BaseModel(abc.ABC):
     num_tasks: int
     loss_normalization: str = "global"
     # Regexes (full match on '/'-joined parameter paths) of parameters that never train:
-    # the Trainer gives them no update and no optimizer state (`ktx.optimizers.freeze`),
+    # the Trainer gives them no update and no optimizer state (`ktx.training.optimizers.freeze`),
     # so weight decay and every other gradient-free optimizer term leave them untouched.
     frozen_patterns: tuple[str, ...] = ()
 

@@ -74,7 +74,7 @@ import jax.numpy as jnp
 
 from ktx.models import bert, encoder
 from ktx.models.base import Batch, row_keys
-from ktx.params import CONDITIONING_SCOPE
+from ktx.analysis.params import CONDITIONING_SCOPE
 from ktx.partitioning import (
     BATCH,
     EMBED,
@@ -588,7 +588,7 @@ class CaMtlClassifier(CaMtlEncoder):
 
 
 def frozen_patterns(num_layers: int, frozen_layers: int | str = 0) -> tuple[str, ...]:
-    """Regexes (full match on '/'-joined paths, as `ktx.optimizers.freeze`) of the
+    """Regexes (full match on '/'-joined paths, as `ktx.training.optimizers.freeze`) of the
     parameters that do not train: with `frozen_layers = k > 0` (or "half": `num_layers //
     2`), BERT's embeddings and layers `0 .. k-1`. Their task-conditioned parameters (in
     `conditioning/`), the upper layers, the pooler and the heads train (the paper's

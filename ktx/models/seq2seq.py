@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ktx import decoding
+from ktx.models import decoding
 from ktx.models import t5
 from ktx.models.base import (
     LOSS_NORMALIZATIONS,
@@ -335,7 +335,7 @@ class EncoderDecoderModel(BaseModel):
         Uses `encoder_input_tokens` and `task_id` (default 0) of `batch`; `Ld` is
         `max_decode_length`, else the length of `decoder_input_tokens` or
         `decoder_target_tokens`. With `return_scores`, also `[B]` scores (greedy: sum of
-        log-probs; beam: length-penalised, see `ktx.decoding.beam_search`).
+        log-probs; beam: length-penalised, see `ktx.models.decoding.beam_search`).
         Jit-able (all keyword arguments are static).
         """
         sequences, scores = self.decode_batch(

@@ -3,7 +3,7 @@
 `compute_task_gradients` returns the gradient of every task's loss with respect to the
 parameters, stacked on a leading task axis, from inside a jitted train step:
 
-* `method="blocks"` (task-partitioned batches, `ktx.train.TrainInput.task_counts`): rows of task `t` are the
+* `method="blocks"` (task-partitioned batches, `ktx.runs.train.TrainInput.task_counts`): rows of task `t` are the
   contiguous block `[sum(counts[:t]), sum(counts[:t+1]))`. Task `t`'s loss is evaluated
   on its own block only and divided by the *whole* batch's normalizer, so all `T`
   gradients together cost one backward pass over the batch, and they add up exactly to
@@ -76,7 +76,7 @@ def _validate_counts(
     if sum(counts) != n:
         raise ValueError(
             f"task_counts={counts!r} sum to {sum(counts)} but the batch has {n} rows; with "
-            "method='blocks' the batch must be task-partitioned (ktx.train.TrainInput)"
+            "method='blocks' the batch must be task-partitioned (ktx.runs.train.TrainInput)"
         )
     if check_layout and "task_id" in batch:
         _check_layout(batch["task_id"], counts)
@@ -116,7 +116,7 @@ def _dynamic_counts(
     def fail_if(bad_order, bad_count, counts_now):
         if bool(bad_order):
             raise ValueError("task_capacity needs rows grouped by task in task order "
-                             "(ktx.train.TrainInput); this batch's task_id is not sorted")
+                             "(ktx.runs.train.TrainInput); this batch's task_id is not sorted")
         if bool(bad_count.any()):
             raise ValueError(f"task_capacity={capacity!r} but this batch has "
                              f"{tuple(int(c) for c in counts_now)} rows per task")

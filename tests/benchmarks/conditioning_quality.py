@@ -6,7 +6,7 @@ with the same budget (model shapes, steps, batch, optimizer, data order per seed
 the mixture `glue_super_glue_small_v1` (SST-2, CoLA, MRPC, STS-B, RTE, CB, COPA) from
 the official files in the data folder, for each seed; each run is then decoded greedily
 on (a prefix of) every task's validation split and scored by the task's SeqIO
-postprocessor and metric fns (`ktx.eval.DecodeEvaluator`). No pretrained weights exist
+postprocessor and metric fns (`ktx.runs.eval.DecodeEvaluator`). No pretrained weights exist
 here, so every model starts from random initialization.
 
 Writes the markdown table (per task: the mean of the task's metrics, GLUE-style; and the
@@ -102,10 +102,10 @@ def task_score(metrics: dict[str, float]) -> float:
 def run_one(args, train_input, method: str, seed: int) -> dict:
     import jax
 
-    from ktx import optimizers
-    from ktx.eval import DecodeEvaluator
-    from ktx.params import count_parameters
-    from ktx.train import train
+    from ktx.training import optimizers
+    from ktx.runs.eval import DecodeEvaluator
+    from ktx.analysis.params import count_parameters
+    from ktx.runs.train import train
 
     model = build_model(args, method, train_input.num_tasks)
     lengths = {"inputs": args.inputs_length, "targets": args.targets_length}

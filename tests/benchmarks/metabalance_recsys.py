@@ -29,10 +29,11 @@ import time
 import gin
 import numpy as np
 
-from ktx import cli, recsys_study
+from ktx import cli
+from ktx.studies import recsys as recsys_study
 from ktx.data import recsys as recsys_data
 from ktx.models.recsys import PopularityScorer
-from ktx.ranking_eval import RankingEvaluator
+from ktx.runs.rank_eval import RankingEvaluator
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENTS = REPO / "gin" / "experiments" / "recsys"

@@ -4,7 +4,7 @@ For T=4 tasks, on the multi-task recommendation model (`ktx.models.recsys`, Tmal
 tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
 (`ktx.models.seq2seq`):
 
-* `trainer_path`: the compiled step `ktx train` runs (`ktx.trainer.Trainer.train_step`,
+* `trainer_path`: the compiled step `ktx train` runs (`ktx.training.trainer.Trainer.train_step`,
   Adam, diagnostics at the default log period of 100 steps), plain and with every
   balancer in `ktx.optim.BALANCERS`, timed interleaved: each repeat times `--steps`
   steps of every configuration, in an order rotated from repeat to repeat; the ratio is
@@ -171,7 +171,7 @@ def _balancer(name):
 
 def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None):
     """Interleaved timing of `Trainer.train_step`, plain and with every balancer."""
-    from ktx.trainer import Trainer
+    from ktx.training.trainer import Trainer
 
     host_batch = jax.device_get(batch)
     names = list(balancers or ko.BALANCERS)

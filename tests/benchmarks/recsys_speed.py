@@ -3,7 +3,7 @@
 Measures (1) one training epoch of the shared-bottom model (batch 256, one negative per
 positive) with Vanilla-Multi and with MetaBalance on one device, on the study's training
 path (`Trainer.train_steps` via `recsys_study.study_trainer`: 64 steps per compiled call, state from
-`ktx.trainer.Trainer`, sparse per-task embedding gradients) and, projected from 500
+`ktx.training.trainer.Trainer`, sparse per-task embedding gradients) and, projected from 500
 steps, on the `ktx train` loop's path (one compiled step per call, prefetched batches);
 (2) the full-ranking evaluation of the Tmall test users over all 11,953 items (each
 user's training items excluded, as in the study), with the GFLOP/s it achieves next to
@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ktx import optim
-from ktx import recsys_study
+from ktx.studies import recsys as recsys_study
 from ktx.data import recsys as recsys_data
 from ktx.metrics import ranking
-from ktx.train import Prefetcher
-from ktx.trainer import Trainer
+from ktx.runs.train import Prefetcher
+from ktx.training.trainer import Trainer
 from ktx import partitioning
 
 

@@ -4,7 +4,7 @@ time spent waiting for input.
     python tests/benchmarks/train_step.py [--steps 5] [--batch_size 8] [--models tiny,small]
 
 Input is the real `ktx.data.pipeline.MultiTaskInput` over the synthetic quickstart
-mixture (byte vocabulary, no files), task-partitioned. The loop is `ktx.train`'s: a
+mixture (byte vocabulary, no files), task-partitioned. The loop is `ktx.runs.train`'s: a
 `Prefetcher` thread builds the global batches ahead while the compiled step runs; the
 input share (`input_wait_share`) is the time the loop blocked waiting for a batch /
 wall time of the timed steps (after one compile step); `input_overhead_share` compares
@@ -23,9 +23,10 @@ import time
 import jax
 import numpy as np
 
-from ktx import optimizers, partitioning
-from ktx.train import Prefetcher
-from ktx.trainer import Trainer
+from ktx import partitioning
+from ktx.training import optimizers
+from ktx.runs.train import Prefetcher
+from ktx.training.trainer import Trainer
 
 # Published T5.1.1 shapes (Raffel et al., 2020; T5X gin files); tiny is ktx's test size.
 SHAPES = {
@@ -48,7 +49,7 @@ def bench(name: str, steps: int, batch_size: int, lengths: dict, vocab_size: int
                  mesh=partitioning.create_mesh(1))
     rng = jax.random.key(0)
     state = tr.init_state(rng, inp.get_batch(0))
-    # As in `ktx.train`, the prefetcher starts before the first (compiling) step.
+    # As in `ktx.runs.train`, the prefetcher starts before the first (compiling) step.
     prefetcher = Prefetcher(inp, tr, 1, steps + 1)
     state, m = tr.train_step(state, inp.get_batch(0), rng)  # compile
     jax.block_until_ready(m["loss"])

@@ -11,8 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from ktx import cli, optimizers
-from ktx import params as kparams
+from ktx import cli
+from ktx.training import optimizers
+from ktx.analysis import params as kparams
 from ktx import partitioning
 from ktx.conditioning.model import (
     ConditioningConfig,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ktx import params as kparams
+from ktx.analysis import params as kparams
 from ktx.conditioning.adapters import AdapterWeights, TaskAdapters, apply_adapter
 from ktx.conditioning.hyper_prompt import HyperPrompt, gather_prompts
 from ktx.conditioning.hyperformer import HyperFormer

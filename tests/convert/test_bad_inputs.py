@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from ktx import cli, convert
-from ktx.checkpoints import CheckpointShapeError, load_initial_params
+from ktx.training.checkpoints import CheckpointShapeError, load_initial_params
 from tests.convert.conftest import checkpoint_fixture
 
 

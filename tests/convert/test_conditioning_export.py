@@ -11,11 +11,11 @@ import optax
 import pytest
 
 from ktx import cli
-from ktx.checkpoints import CheckpointManager
+from ktx.training.checkpoints import CheckpointManager
 from ktx.conditioning.model import ConditioningConfig, conditioned_model
 from ktx.convert.conditioning import export_conditioning, load_conditioning
 from ktx.models import seq2seq, t5
-from ktx.trainer import Trainer
+from ktx.training.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

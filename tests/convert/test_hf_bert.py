@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ktx import checkpoints, convert
+from ktx import convert
+from ktx.training import checkpoints
 from ktx.convert import hf_bert
 from ktx.convert.safetensors_io import read_safetensors, write_safetensors
 from ktx.models import bert, encoder

@@ -15,8 +15,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ktx import cli, convert
-from ktx.checkpoints import resolve_checkpoint
-from ktx.summaries import read_metrics
+from ktx.training.checkpoints import resolve_checkpoint
+from ktx.training.summaries import read_metrics
 from tests.convert.conftest import checkpoint_fixture
 
 

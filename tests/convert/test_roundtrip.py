@@ -15,7 +15,7 @@ import pytest
 from safetensors import safe_open
 
 from ktx import convert
-from ktx.checkpoints import load_initial_params, resolve_checkpoint, restore_params
+from ktx.training.checkpoints import load_initial_params, resolve_checkpoint, restore_params
 from ktx.models import t5
 from tests.convert.conftest import checkpoint_fixture
 

@@ -82,9 +82,9 @@ def test_recommended_flag_sets_the_policy_of_every_command(bad_task, run_file, m
     monkeypatch.setattr(cli, "_call_entry", lambda *a, **k: seen.setdefault("policy", files.get_on_bad_row()))
     monkeypatch.setattr(cli, "_check_run_macros", lambda command: None)
     monkeypatch.setattr(cli, "_write_config", lambda *a, **k: None)
-    import ktx.eval
+    import ktx.runs.eval
 
-    monkeypatch.setattr(ktx.eval, "format_table", lambda summary: "")
+    monkeypatch.setattr(ktx.runs.eval, "format_table", lambda summary: "")
     from tests.tiny_t5_gin import tiny_t5_gin
 
     model = bad_task.parent / "tiny.gin"

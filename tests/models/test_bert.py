@@ -11,9 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from ktx import params as params_lib
+from ktx.analysis import params as params_lib
 from ktx import partitioning
-from ktx import trainer as trainer_lib
+from ktx.training import trainer as trainer_lib
 from ktx.models import bert, encoder
 
 TINY = bert.BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,

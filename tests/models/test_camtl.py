@@ -22,8 +22,10 @@ import numpy as np
 import optax
 import pytest
 
-from ktx import checkpoints, cli, convert, partitioning
-from ktx import trainer as trainer_lib
+from ktx import cli, convert
+from ktx import partitioning
+from ktx.training import checkpoints
+from ktx.training import trainer as trainer_lib
 from ktx.convert import camtl as camtl_convert
 from ktx.convert.safetensors_io import read_safetensors, write_safetensors
 from ktx.models import bert, camtl, encoder

@@ -17,9 +17,9 @@ import optax
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ktx import params as params_lib
+from ktx.analysis import params as params_lib
 from ktx import partitioning
-from ktx import trainer as trainer_lib
+from ktx.training import trainer as trainer_lib
 from ktx.convert.pals import read_pals
 from ktx.models import bert, pals
 
@@ -233,7 +233,8 @@ def test_reader_refuses_other_directories(tmp_path):
 def test_starts_from_a_bert_checkpoint():
     """`hf:DIR` as INITIAL_CHECKPOINT_PATH fills the backbone (BERT's names); the PALs,
     heads and the absent pooler start from their initializers."""
-    from ktx import checkpoints, convert
+    from ktx import convert
+    from ktx.training import checkpoints
 
     folder = FIXTURE.parent / "checkpoints" / "hf_bert_tiny"
     if not (folder / "config.json").is_file():

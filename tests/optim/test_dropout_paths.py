@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from ktx import optim, trainer as trainer_lib
+from ktx import optim
+from ktx.training import trainer as trainer_lib
 from ktx.models import seq2seq, t5
 from ktx.models.base import with_row_ids
 from ktx.models.recsys import RecsysModel

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from ktx import optim, recsys_study
+from ktx import optim
+from ktx.studies import recsys as recsys_study
 from ktx.data import recsys as R
 
 

@@ -11,8 +11,8 @@ import pytest
 from ktx import cli
 from ktx.data import recsys as R
 from ktx.models.recsys import RecsysModel
-from ktx.summaries import read_metrics
-from ktx.train import EarlyStopping, train
+from ktx.training.summaries import read_metrics
+from ktx.runs.train import EarlyStopping, train
 
 NUM_USERS, NUM_ITEMS = 24, 20
 
@@ -215,7 +215,7 @@ def test_user_behavior_experiment_prepares_and_sizes_from_gin(tmp_path, capsys):
         min_user_purchases=2, min_item_buyers=1, seed=0)
     state = sorted(p.name for p in (model_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert len(state) == 1
-    from ktx.checkpoints import saved_param_shapes
+    from ktx.training.checkpoints import saved_param_shapes
 
     shapes = saved_param_shapes(model_dir / "checkpoints" / state[0])
     assert shapes["user_embedding/embedding"] == (data.num_users, 8)

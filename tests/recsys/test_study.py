@@ -5,7 +5,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from ktx import recsys_study
+from ktx.studies import recsys as recsys_study
 from ktx.data import recsys as R
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

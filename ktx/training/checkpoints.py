@@ -3,7 +3,7 @@
 A run directory holds `checkpoints/<step>/` with two items: `state` (an orbax PyTree:
 `step`, `params` by parameter path, `opt_state` as its flattened leaves `"0"`,
 `"1"`, ...) and `meta` (JSON: step, task names, anything the caller adds). The data
-position is the step (`ktx.train.TrainInput`: the input is a pure function of the step), so
+position is the step (`ktx.runs.train.TrainInput`: the input is a pure function of the step), so
 restoring the state restores the data position.
 
 * `CheckpointManager`: save every `save_period` steps, keep the newest `keep`, force a
@@ -29,9 +29,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from ktx.run_dir import RunDir
-from ktx.summaries import quiet_absl
-from ktx.trainer import TrainState
+from ktx.runs.run_dir import RunDir
+from ktx.training.summaries import quiet_absl
+from ktx.training.trainer import TrainState
 from ktx.treepath import name as param_path
 
 __all__ = [
@@ -375,7 +375,7 @@ def _load_initial_params_from_source(
     import numpy as np
 
     from ktx import convert
-    from ktx.params import CONDITIONING_SCOPE
+    from ktx.analysis.params import CONDITIONING_SCOPE
 
     imported = convert.load_source(source)
     flat = convert.flatten(imported.params)

@@ -27,11 +27,11 @@ import optax
 
 from ktx import partitioning
 from ktx.data import feature_converter as fc
-from ktx.checkpoints import restore_params_skipping_corrupt
+from ktx.training.checkpoints import restore_params_skipping_corrupt
 from ktx.models.base import BaseModel
-from ktx.run_dir import RunDir
-from ktx.summaries import MetricsWriter, per_task_metrics, quiet_absl
-from ktx.trainer import Trainer
+from ktx.runs.run_dir import RunDir
+from ktx.training.summaries import MetricsWriter, per_task_metrics, quiet_absl
+from ktx.training.trainer import Trainer
 
 __all__ = [
     "teacher_forced_eval",
@@ -94,14 +94,14 @@ def teacher_forced_eval(
 
 
 class Evaluator(Protocol):
-    """An in-run evaluation (`ktx.train.train`'s `evaluators`, run every `eval_period`
+    """An in-run evaluation (`ktx.runs.train.train`'s `evaluators`, run every `eval_period`
     steps): scores `params` at `step`, writes its own split to `writer`, and returns
     `{task: {metric: value}}` (higher is better for early stopping). `title` names it
     in the console (`"<title> at step <n>:"`).
 
     Implementations: `DecodeEvaluator` (SeqIO decoding, each benchmark's metrics),
     `TeacherForcedEvaluator` (the model's own aux sums without decoding),
-    `ktx.ranking_eval.RankingEvaluator` (full ranking of the recommendation model).
+    `ktx.runs.rank_eval.RankingEvaluator` (full ranking of the recommendation model).
     """
 
     title: str
@@ -143,7 +143,7 @@ class TeacherForcedEvaluator:
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
         if self.eval_input is None or self.batch_size is None:
             raise ValueError("TeacherForcedEvaluator: no eval_input/batch_size; give them, or "
-                             "run it inside ktx.train.train (which supplies the run's)")
+                             "run it inside ktx.runs.train.train (which supplies the run's)")
         names = tuple(self.eval_input.task_names)
         results = teacher_forced_eval(trainer, params, self.eval_input, names,
                                       split=self.split, batch_size=self.batch_size)

@@ -1,7 +1,7 @@
 """Full-ranking evaluation of recommendation runs, in the training loop and offline.
 
-`RankingEvaluator` is an in-run evaluator for `ktx.train.train` (one of its
-`evaluators`, like `ktx.eval.DecodeEvaluator` for T5 runs): at every
+`RankingEvaluator` is an in-run evaluator for `ktx.runs.train.train` (one of its
+`evaluators`, like `ktx.runs.eval.DecodeEvaluator` for T5 runs): at every
 evaluation step it ranks all items for the users of one held-out split
 (`ktx.metrics.ranking.full_ranking`, the model's target tower), writes the metrics to
 `metrics.jsonl`/TensorBoard under the split `<split>_ranking`, and returns them as
@@ -26,14 +26,14 @@ import jax
 import optax
 
 from ktx import partitioning
-from ktx.checkpoints import restore_params_skipping_corrupt
+from ktx.training.checkpoints import restore_params_skipping_corrupt
 from ktx.data.recsys import MultiBehaviorData, subsample_users, training_exclusions
-from ktx.eval import EvalSummary, abstract_params_for, select_checkpoint_steps
+from ktx.runs.eval import EvalSummary, abstract_params_for, select_checkpoint_steps
 from ktx.metrics.ranking import full_ranking
 from ktx.models.base import BaseModel
-from ktx.run_dir import RunDir
-from ktx.summaries import MetricsWriter
-from ktx.trainer import Trainer
+from ktx.runs.run_dir import RunDir
+from ktx.training.summaries import MetricsWriter
+from ktx.training.trainer import Trainer
 
 __all__ = ["RankingEvaluator", "evaluate"]
 
@@ -41,7 +41,7 @@ SPLITS = ("validation", "test")
 
 
 class RankingEvaluator:
-    """Ranks every item for the users of `split` (a `ktx.eval.Evaluator`:
+    """Ranks every item for the users of `split` (a `ktx.runs.eval.Evaluator`:
     `__call__(trainer=, params=, step=, writer=) -> {target: {metric: value}}`).
 
     Args:

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from ktx.run_dir import RunDir
+from ktx.runs.run_dir import RunDir
 
 __all__ = [
     "MetricsWriter",

@@ -7,13 +7,13 @@ The factories return plain optax objects, so gin can compose them:
     tx = adafactor(learning_rate=schedule)                  # T5X's default optimizer
     tx = freeze(tx, frozen=[r"encoder/.*"])                 # frozen params get 0 updates
 
-`TaskOptimizer(tx, balancer=None, schedule=None, frozen=())` is what `ktx.trainer` holds:
+`TaskOptimizer(tx, balancer=None, schedule=None, frozen=())` is what `ktx.training.trainer` holds:
 the optimizer, an optional `ktx.optim` balancer in front of it (per-task gradients -> one
 gradient), the schedule (only to report the learning rate) and the frozen patterns.
 Its state is the optimizer's, or `(balancer_state, optimizer_state)` with a balancer
 (the state of `optax.chain(balancer, tx)`; `as_optax()` returns that chain).
 
-Gradient accumulation over microbatches lives in the train step (`ktx.trainer`): it
+Gradient accumulation over microbatches lives in the train step (`ktx.training.trainer`): it
 sums exact per-microbatch loss gradients normalized by the whole batch, which matches
 the full-batch gradient for every loss normalization.
 """
@@ -201,7 +201,7 @@ class TaskOptimizer:
     """The optimizer of a multi-task train step.
 
     Args:
-      optimizer: an optax transformation (a `ktx.optimizers` factory's result).
+      optimizer: an optax transformation (a `ktx.training.optimizers` factory's result).
       balancer: an optional `ktx.optim` balancer (a `GradientTransformationExtraArgs`
         taking a `TaskGradients` and `task_losses=`, `task_present=`). With one, the step
         computes per-task gradients and `update` combines them before `optimizer`.

@@ -42,9 +42,10 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ktx import partitioning, treepath
+from ktx import treepath
+from ktx import partitioning
 from ktx.models.base import BaseModel, with_row_ids
-from ktx.optimizers import TaskOptimizer
+from ktx.training.optimizers import TaskOptimizer
 
 __all__ = [
     "TrainState",
@@ -299,7 +300,7 @@ class Trainer:
 
     Args:
       model: a `ktx.models.base.BaseModel`.
-      optimizer: a `ktx.optimizers.TaskOptimizer`, or a bare optax transformation (then
+      optimizer: a `ktx.training.optimizers.TaskOptimizer`, or a bare optax transformation (then
         `balancer` and `schedule` complete it). The model's `frozen_patterns`, if any,
         are added to its frozen patterns: frozen parameters get no update at all.
       mesh: a (data, model) mesh from `ktx.partitioning.create_mesh` (default: all
@@ -525,7 +526,7 @@ class Trainer:
     ) -> Any:
         """The train step lowered for `state`, `batch` and `rng` (arrays or
         `ShapeDtypeStruct`s with shardings, e.g. for another platform's devices): call
-        `.compile()` on it for XLA's memory and cost analyses (`ktx.precompile`)."""
+        `.compile()` on it for XLA's memory and cost analyses (`ktx.training.precompile`)."""
         if self.state_shardings is None:
             raise ValueError("Trainer.lower_train_step before create_abstract_state")
         capacity = None if task_capacity is None else tuple(int(c) for c in task_capacity)

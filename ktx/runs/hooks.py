@@ -1,4 +1,4 @@
-"""The periodic actions of the training loop (`ktx.train.train`), each testable alone.
+"""The periodic actions of the training loop (`ktx.runs.train.train`), each testable alone.
 
 * `TrainMetrics`: collects each step's device metrics, and every `log_period` steps (and
   before a checkpoint) fetches them, stops on a non-finite loss naming the step, writes
@@ -6,7 +6,7 @@
 * `Checkpointing`: saves the state every `period` steps (and at the end), only after the
   metrics of every step up to it were checked finite, so the last checkpoint of a run
   stopped by a NaN is a good one.
-* `Evaluation`: runs the run's evaluators (`ktx.eval.Evaluator`) every `period` steps,
+* `Evaluation`: runs the run's evaluators (`ktx.runs.eval.Evaluator`) every `period` steps,
   prints their results, and keeps the early-stopping record (`EarlyStopping`), which a
   resumed run continues from `metrics.jsonl`.
 
@@ -28,8 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ktx.run_dir import RunDir
-from ktx.summaries import MetricsWriter, ProgressLogger, per_task_metrics, read_metrics
+from ktx.runs.run_dir import RunDir
+from ktx.training.summaries import MetricsWriter, ProgressLogger, per_task_metrics, read_metrics
 
 __all__ = [
     "NonFiniteLossError",
@@ -137,7 +137,7 @@ class TrainMetrics:
 
 
 class Checkpointing:
-    """Saves the train state through a `ktx.checkpoints.CheckpointManager`.
+    """Saves the train state through a `ktx.training.checkpoints.CheckpointManager`.
 
     `due(done)`: the manager's period, or the last step. `save` records the step as the
     last good one in `metrics` (flush the metrics first: a checkpoint is only written
@@ -259,7 +259,7 @@ class Evaluation:
     early stopping on one of their metrics.
 
     Args:
-      evaluators: `ktx.eval.Evaluator`s (decode, teacher-forced score, ranking ...).
+      evaluators: `ktx.runs.eval.Evaluator`s (decode, teacher-forced score, ranking ...).
       period: steps between evaluations (0: never).
       writer: the run's `MetricsWriter` (each evaluator writes its own split).
       stopper: an `EarlyStopping`, or None.

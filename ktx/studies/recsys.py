@@ -4,7 +4,7 @@
 `ktx.optim` transformation, or None for the plain summed loss) and seed, evaluates full
 ranking on validation after every `eval_every` epochs, stops early when validation
 NDCG@10 has not improved for `patience` evaluations, and reports the validation and
-test metrics of the best epoch. It trains with `ktx train`'s step: a `ktx.trainer.Trainer`
+test metrics of the best epoch. It trains with `ktx train`'s step: a `ktx.training.trainer.Trainer`
 builds the sharded state and runs `steps_per_call` steps per compiled call
 (`Trainer.train_steps`, a `lax.scan` over a `[K, batch]` block of batches from a
 task-partitioned `RecsysTrainInput`), so the host neither dispatches nor syncs per step.
@@ -29,9 +29,9 @@ import optax
 from ktx import partitioning
 from ktx.data.recsys import MultiBehaviorData, RecsysTrainInput
 from ktx.models.recsys import RecsysModel
-from ktx.ranking_eval import RankingEvaluator
-from ktx.hooks import EarlyStopping
-from ktx.trainer import Trainer
+from ktx.runs.rank_eval import RankingEvaluator
+from ktx.runs.hooks import EarlyStopping
+from ktx.training.trainer import Trainer
 
 __all__ = [
     "SPARSE_TABLES", "adam_l2", "build_model", "study_trainer", "run_config",

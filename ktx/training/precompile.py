@@ -3,7 +3,7 @@
 `precompile(model, optimizer, topology="v4:4x4x4", ...)` builds the (data, model) mesh
 over the topology's devices (`jax.experimental.topologies.get_topology_desc`, which needs
 `libtpu`: `pip install 'ktx[tpu]'`), the sharded abstract train state and batch, and
-lowers and compiles `ktx.trainer.train_step` exactly as `ktx train` would run it (same
+lowers and compiles `ktx.training.trainer.train_step` exactly as `ktx train` would run it (same
 model, conditioning, balancer, optimizer, partitioning rules, batch and lengths). XLA's
 analyses then give, per chip, the memory of the arguments (train state and batch), the
 outputs, the temporaries, and the FLOPs of one step; the report compares the total with
@@ -27,7 +27,7 @@ import optax
 
 from ktx import partitioning
 from ktx.models.base import BaseModel
-from ktx.trainer import Trainer
+from ktx.training.trainer import Trainer
 
 __all__ = ["CHIPS", "DoesNotFitError", "PrecompileReport", "precompile", "topology_devices"]
 

@@ -6,9 +6,9 @@ Each output line is `{"task": name, "index": i, "inputs": text, "targets": text,
 
 With `leaderboard="glue"` or `"super_glue"` it decodes the benchmark's test splits instead
 of `split` (MNLI's matched/mismatched and the diagnostics AX, AX-b, AX-g included, with the
-task id of the mixture's MNLI / RTE task; `ktx.leaderboard.plan_decodes`), adds "split"
+task id of the mixture's MNLI / RTE task; `ktx.runs.leaderboard.plan_decodes`), adds "split"
 and the test file's "idx" to each line, and writes the submission files into
-`leaderboard_dir` (`ktx.leaderboard.write_submission`: official labels, invalid outputs
+`leaderboard_dir` (`ktx.runs.leaderboard.write_submission`: official labels, invalid outputs
 counted and replaced by the task's default, row counts checked against the test files).
 """
 
@@ -24,13 +24,13 @@ import jax
 import numpy as np
 import optax
 
-from ktx import leaderboard as lb
+from ktx.runs import leaderboard as lb
 from ktx import partitioning
-from ktx.checkpoints import resolve_checkpoint, restore_params
+from ktx.training.checkpoints import resolve_checkpoint, restore_params
 from ktx.data import feature_converter as fc
-from ktx.eval import _local_rows, _pad, _strip, abstract_params_for, make_predict_fn
+from ktx.runs.eval import _local_rows, _pad, _strip, abstract_params_for, make_predict_fn
 from ktx.models.base import BaseModel
-from ktx.trainer import Trainer
+from ktx.training.trainer import Trainer
 
 __all__ = ["infer", "encode_batch"]
 

@@ -4,7 +4,7 @@ The loop (T5X style): build the mesh and the sharded state; resume from the late
 checkpoint in `model_dir` (or start from `initial_checkpoint_path`'s params); then for
 each step `s` take `train_input.get_batch(s)` (a pure function of the step, so resuming
 at step s continues the data stream exactly) and run the compiled step. The periodic
-actions after a step are `ktx.hooks`: metrics every `log_period` steps (stopping on a
+actions after a step are `ktx.runs.hooks`: metrics every `log_period` steps (stopping on a
 non-finite loss), checkpoints, and the run's evaluators with early stopping.
 """
 
@@ -23,8 +23,8 @@ import numpy as np
 import optax
 
 from ktx import partitioning
-from ktx.checkpoints import CheckpointManager, load_initial_params
-from ktx.hooks import (
+from ktx.training.checkpoints import CheckpointManager, load_initial_params
+from ktx.runs.hooks import (
     Checkpointing,
     EarlyStopping,
     Evaluation,
@@ -32,10 +32,10 @@ from ktx.hooks import (
     TrainMetrics,
 )
 from ktx.models.base import BaseModel
-from ktx.optimizers import TaskOptimizer
-from ktx.run_dir import RunDir
-from ktx.summaries import MetricsWriter
-from ktx.trainer import Trainer, TrainState
+from ktx.training.optimizers import TaskOptimizer
+from ktx.runs.run_dir import RunDir
+from ktx.training.summaries import MetricsWriter
+from ktx.training.trainer import Trainer, TrainState
 
 __all__ = ["TrainInput", "check_train_input", "NonFiniteLossError", "Prefetcher", "EarlyStopping",
            "train"]
@@ -52,7 +52,7 @@ class TrainInput(Protocol):
     `task_counts(step)` gives the rows per task of a task-partitioned batch (rows of task
     t contiguous, tasks in id order; the balanced step's blocks), or None for a sampled
     batch. `task_names` are in `task_id` order. Optional: `steps_per_epoch` (periods in
-    epochs) and `eval_batches(task, split, batch_size)` (`ktx.eval.TeacherForcedEvaluator`).
+    epochs) and `eval_batches(task, split, batch_size)` (`ktx.runs.eval.TeacherForcedEvaluator`).
     Implementations: `ktx.data.pipeline.MultiTaskInput` (SeqIO tasks and mixtures),
     `ktx.data.recsys.RecsysTrainInput`.
     """
@@ -71,7 +71,7 @@ def check_train_input(train_input: Any) -> None:
                if not hasattr(train_input, name)]
     if missing:
         raise TypeError(
-            f"train_input={train_input!r} lacks {missing}; a ktx.train.TrainInput has "
+            f"train_input={train_input!r} lacks {missing}; a ktx.runs.train.TrainInput has "
             "task_names, num_tasks, get_batch(step) and task_counts(step)")
 
 
@@ -166,8 +166,8 @@ def train(
     Args:
       model: a `BaseModel`.
       train_input: a `ktx.data.pipeline.TrainInput`.
-      model_dir: the run directory (`ktx.run_dir.RunDir`).
-      optimizer: a `ktx.optimizers.TaskOptimizer`, or an optax transformation completed
+      model_dir: the run directory (`ktx.runs.run_dir.RunDir`).
+      optimizer: a `ktx.training.optimizers.TaskOptimizer`, or an optax transformation completed
         by `schedule` (only reported) and `balancer` (a `ktx.optim` balancer: per-task
         gradient path).
       train_steps: the step to stop at (T5X's TRAIN_STEPS).
@@ -175,7 +175,7 @@ def train(
         that defines `steps_per_epoch` (e.g. `ktx.data.recsys.RecsysTrainInput`).
       num_partitions: model-parallel size (NUM_PARTITIONS); the rest is data-parallel.
       num_microbatches, grad_method, shared, sparse_tables, target_task: the step's
-        `ktx.trainer.StepOptions`.
+        `ktx.training.trainer.StepOptions`.
       log_diagnostics: balanced runs: log per-task gradient norms, cosines (against
         `target_task`) and MetaBalance weights at every log step.
       seed: parameter init and dropout keys.
@@ -185,9 +185,9 @@ def train(
         written at `train_steps` (and when training stops early).
       initial_checkpoint_path: start a *new* run from another run's parameters (or a
         Hugging Face / T5X checkpoint, `hf:DIR` / `t5x:DIR`).
-      evaluators: `ktx.eval.Evaluator`s run every `eval_period` steps (or "epoch") and
+      evaluators: `ktx.runs.eval.Evaluator`s run every `eval_period` steps (or "epoch") and
         at the last step: `DecodeEvaluator`, `TeacherForcedEvaluator` (its input and
-        batch size default to the run's), `ktx.ranking_eval.RankingEvaluator`.
+        batch size default to the run's), `ktx.runs.rank_eval.RankingEvaluator`.
       early_stopping_metric, early_stopping_patience: stop when the evaluators'
         `"task/metric"` (or `"metric"` if they report one task; higher is better) has
         not improved for `early_stopping_patience` evaluations (0: never stop early).

@@ -1,0 +1,236 @@
+"""`ktx train | eval | infer | params | analyze`: the gin edge of ktx (the only library module that
+imports gin).
+
+    ktx train --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'/tmp/qs'"
+    ktx eval  --gin_file=runs/quickstart.gin --gin_file=runs/eval.gin --gin.MODEL_DIR="'/tmp/qs'"
+    python -m ktx infer --gin_file=... --gin.CHECKPOINT_STEP=200
+
+Flags: `--gin_file` (repeatable; later files override earlier ones), `--gin.NAME=VALUE`
+(a binding, applied after every file: `--gin.TRAIN_STEPS=100`,
+`--gin.train_script.train.log_period=10`), `--gin_search_paths` (comma-separated;
+searched first, then ktx's own `gin/` folder, then the working directory: nothing a run
+writes into the working directory can shadow ktx's gin files), `--multihost` (calls
+`jax.distributed.initialize()` before anything else; off a managed cluster,
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I` say where), `--debug`
+(a run-time error raises with its traceback instead of the one `ktx: ...` line).
+
+Paths given in path macros (`PATH_MACROS`: MODEL_DIR, DATA_DIR, INITIAL_CHECKPOINT_PATH,
+...) and flags are relative to the working directory; they are made absolute here, once.
+
+Gin files use dynamic registration (`from __gin__ import dynamic_registration`) and T5X's
+names: `import ktx.runs.train as train_script` then `train_script.train.model = %MODEL`. A gin
+mistake is reported as a `GinConfigError` naming the file, line and binding, with close
+names (difflib) for a misspelt parameter, configurable, module attribute or macro.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from ktx.cli.commands import (
+    _analyze,
+    _check_run_macros,
+    _convert_command,
+    _params_command,
+    _precompile_command,
+)
+from ktx.cli.gin_config import (
+    DEFAULT_GIN_DIR,
+    PATH_MACROS,
+    GinConfigError,
+    _call_entry,
+    _first_line,
+    _query_macro,
+    _split_gin_flags,
+    _write_config,
+    absolute_path,
+    check_required_macros,
+    gin_search_path,
+    parse_gin,
+)
+from ktx.runs.run_dir import RunDir
+
+__all__ = [
+    "GinConfigError", "main", "parse_gin", "build_parser", "check_required_macros", "DEFAULT_GIN_DIR",
+    "PATH_MACROS", "absolute_path", "gin_search_path",
+]
+
+
+COMMANDS = ("train", "eval", "infer", "params", "analyze", "import", "export", "precompile")
+
+
+_HELP = {
+    "train": "train a gin-configured model (MODEL_DIR, MIXTURE_OR_TASK_NAME, TRAIN_STEPS, ...)",
+    "eval": "evaluate every (or the selected) checkpoint of MODEL_DIR offline",
+    "infer": "decode a split with a checkpoint and write the predictions",
+    "params": "count a gin-configured model's parameters from shapes",
+    "analyze": "`gradients RUN_DIR` (per-task gradient magnitudes) or `attention`",
+    "import": "SRC OUT: a ktx checkpoint directory from hf:DIR, t5x:DIR or camtl:DIR",
+    "export": "SRC OUT: a run's checkpoint as hf:DIR or conditioning:FILE",
+    "precompile": "compile the train step for a TPU topology; per-chip memory and FLOPs",
+}
+
+
+_GIN_COMMANDS = ("train", "eval", "infer", "params", "analyze", "precompile")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`ktx COMMAND [flags]`: one sub-parser per command with only its own flags
+    (`ktx eval --help`); `--gin.NAME=VALUE` bindings are taken out before parsing."""
+    parser = argparse.ArgumentParser(prog="ktx", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {}
+    for name in COMMANDS:
+        commands[name] = c = sub.add_parser(name, help=_HELP[name], description=_HELP[name])
+        c.add_argument("--debug", action="store_true",
+                       help="let a run-time error raise with its traceback")
+        if name in _GIN_COMMANDS:
+            c.add_argument("--gin_file", action="append", default=[],
+                           help="gin file (repeatable; later files override)")
+            c.add_argument("--gin_search_paths", default="", help="comma-separated folders")
+        if name in ("train", "eval", "infer"):
+            c.add_argument("--multihost", action="store_true", help="jax.distributed.initialize()")
+            c.add_argument("--coordinator_address", default=None,
+                           help="--multihost off a managed cluster: host:port of process 0")
+            c.add_argument("--num_processes", type=int, default=None,
+                           help="with --coordinator_address")
+            c.add_argument("--process_id", type=int, default=None,
+                           help="with --coordinator_address")
+    commands["precompile"].add_argument(
+        "--topology", default=None,
+        help="a TPU topology as JAX names it (v4:4x4x4, v5e:16x16) or cpu")
+    a = commands["analyze"]
+    a.add_argument("args", nargs="+", help="`gradients RUN_DIR` or `attention`")
+    a.add_argument("--out", default=None, help="gradients: output PNG")
+    a.add_argument("--checkpoint", default=None,
+                   help="attention: a step of MODEL_DIR, or a checkpoint path")
+    a.add_argument("--task", default=None, help="attention: a task of the mixture")
+    a.add_argument("--out_dir", default=None, help="attention: JSON + PNG folder")
+    a.add_argument("--split", default="validation", help="attention: split")
+    a.add_argument("--max_examples", type=int, default=100,
+                   help="attention: examples averaged (He et al., 2022: 100)")
+    commands["import"].add_argument("args", nargs="*", metavar="SRC OUT",
+                                    help="hf:DIR|t5x:DIR|camtl:DIR, then the output folder")
+    e = commands["export"]
+    e.add_argument("args", nargs="*", metavar="SRC OUT",
+                   help="a run or checkpoint directory, then hf:DIR or conditioning:FILE")
+    e.add_argument("--checkpoint", default=None, help="the step (default: the latest)")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`build_parser().parse_args(argv)`, with every command's namespace holding every
+    attribute (flags of other commands at their defaults), so the runners need not ask."""
+    args = build_parser().parse_args(argv)
+    for name, value in _DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
+
+
+_DEFAULTS = dict(args=[], gin_file=[], gin_search_paths="", multihost=False, topology=None,
+                 coordinator_address=None, num_processes=None, process_id=None, out=None,
+                 checkpoint=None, task=None, out_dir=None, split="validation", max_examples=100)
+
+
+def _report_failure(e: BaseException, command: str) -> None:
+    """One `ktx: ...` line on stderr; the traceback goes to MODEL_DIR/ktx_error.log
+    (or a temporary file) and the line says where."""
+    import tempfile
+    import traceback
+
+    trace = "".join(traceback.format_exception(e))
+    model_dir = _query_macro("MODEL_DIR") if command != "analyze" else None
+    log = None
+    for folder in ([model_dir] if isinstance(model_dir, str) else []) + [tempfile.gettempdir()]:
+        try:
+            pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
+            log = RunDir(folder).error_log
+            log.write_text(trace)
+            break
+        except OSError:
+            log = None
+    kind = "" if isinstance(e, (ValueError, FileNotFoundError, TypeError)) else f"{type(e).__name__}: "
+    where = f" (traceback in {log}; --debug shows it here)" if log else " (--debug shows the traceback)"
+    print(f"ktx {command}: {kind}{_first_line(e)}{where}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rest, bindings = _split_gin_flags(argv)
+    except GinConfigError as e:
+        print(f"ktx: {e}", file=sys.stderr)
+        return 2
+    args = parse_args(rest)
+    try:
+        return _run(args, bindings)
+    except GinConfigError as e:
+        print(f"ktx: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the CLI edge: one line, traceback to a file
+        if args.debug:
+            raise
+        if args.command in ("analyze", "import", "export") and isinstance(
+            e, (FileNotFoundError, ValueError)
+        ):
+            print(f"ktx: {_first_line(e)}", file=sys.stderr)  # a wrong argument or input
+            return 2
+        _report_failure(e, args.command)
+        return 1
+
+
+def _run(args, bindings) -> int:
+    if args.command == "analyze":
+        return _analyze(args, bindings)
+    if args.command in ("import", "export"):
+        return _convert_command(args)
+    if args.multihost:
+        import jax
+
+        # On TPU pods, SLURM and other managed clusters JAX finds the coordinator itself;
+        # elsewhere (launch/multiprocess.sh) the three flags name it.
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+    files = parse_gin(args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p])
+    data_dir = _query_macro("DATA_DIR")
+    if data_dir:
+        os.environ["KTX_DATA_DIR"] = str(data_dir)
+    from ktx.data import files as data_files
+
+    # ON_BAD_ROW (runs/*.gin): "raise" or "skip" for every file this command reads;
+    # None: $KTX_ON_BAD_ROW, else "raise".
+    data_files.set_on_bad_row(_query_macro("ON_BAD_ROW"))
+    if args.command == "params":
+        _params_command(files, bindings)
+        return 0
+    if args.command == "precompile":
+        return _precompile_command(args)
+    _check_run_macros(args.command)
+    model_dir = _query_macro("MODEL_DIR")
+    if args.command == "train":
+        _call_entry(
+            "train", files, bindings,
+            {"started_callback": lambda: _write_config(model_dir)},
+        )
+        _write_config(model_dir)
+    elif args.command == "eval":
+        from ktx.runs.eval import format_table
+
+        summary = _call_entry("eval", files, bindings)
+        _write_config(RunDir(model_dir).eval if model_dir else None)
+        print(format_table(summary))
+    else:
+        _call_entry("infer", files, bindings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

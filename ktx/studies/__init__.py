@@ -1,0 +1,1 @@
+"""Experiment drivers that sweep configurations (the MetaBalance recommendation study)."""

@@ -1,0 +1,1 @@
+"""Training machinery: the train step and Trainer, optimizers, checkpoints, summaries, ahead-of-time compiles."""
