@@ -8,7 +8,7 @@ prepared TFDS copy (`ktx.tasks.config`). MNLI has `validation_matched` and
 `validation_mismatched` splits, and eval-only tasks `glue_mnli_{matched,mismatched}_v002`
 whose `validation` (and `test`) split is the one named. Every task has an unlabelled
 `test` split (GLUE's `test.tsv`, MNLI `test_{matched,mismatched}`; targets "<unk>", `idx`
-the file's index) for leaderboard files (`ktx.leaderboard`), and `glue_ax_v002` is the
+the file's index) for leaderboard files (`ktx.runs.leaderboard`), and `glue_ax_v002` is the
 diagnostic (test only, MNLI's format and labels).
 
 The text preprocessors here (`t5_glue_text`, `t5_stsb_text`) are reused by the SuperGLUE

@@ -13,7 +13,7 @@
 
 Splits: train, validation, FewGLUE's train_32shot (Schick & Schuetze, 2021), and the
 unlabelled test (`test.jsonl`, targets "<unk>", `idx` kept) for leaderboard files
-(`ktx.leaderboard`); `super_glue_{axb,axg}_v102` are the diagnostics (test only, RTE's
+(`ktx.runs.leaderboard`); `super_glue_{axb,axg}_v102` are the diagnostics (test only, RTE's
 format and labels).
 
 Every task also has a variant without the task prefix, `super_glue_<task>_noprefix_v102`
