@@ -20,6 +20,8 @@ INSTALL_REQUIRES = [
     "tensorboard==2.21.0",
     "numpy==2.4.6",
     "scipy==1.17.1",
+    "scikit-learn==1.9.1",  # classification metrics (as the T5 library's)
+    "seqeval==1.2.2",  # entity-level NER precision/recall/F1
     "matplotlib==3.11.2",
     "safetensors==0.8.0",  # checkpoint and fixture weights (no pickle)
 ]

@@ -147,13 +147,24 @@ def entity_prf(
 def entity_prf_iob(
     gold_tags: Sequence[Sequence[str]], pred_tags: Sequence[Sequence[str]]
 ) -> dict[str, float]:
-    """Entity-level P/R/F1 (percent) of predicted IOB tag sequences, per sentence spans."""
+    """Entity-level micro P/R/F1 (percent) of predicted IOB tag sequences: `seqeval`'s
+    conlleval-compatible scores (an "I-" that does not continue an entity of its type
+    starts one). With no gold and no predicted entity at all the scores are 100."""
     if len(gold_tags) != len(pred_tags):
         raise ValueError(f"{len(gold_tags)} gold sentences but {len(pred_tags)} predicted")
     for i, (g, p) in enumerate(zip(gold_tags, pred_tags)):
         if len(g) != len(p):
             raise ValueError(f"sentence {i}: {len(g)} gold tags but {len(p)} predicted tags")
-    return entity_prf([iob_to_spans(g) for g in gold_tags], [iob_to_spans(p) for p in pred_tags])
+        for tags in (g, p):
+            iob_to_spans(tags)  # names a tag that is not O / B-<type> / I-<type>
+    gold, pred = [list(g) for g in gold_tags], [list(p) for p in pred_tags]
+    if not any(iob_to_spans(g) for g in gold) and not any(iob_to_spans(p) for p in pred):
+        return {"precision": 100.0, "recall": 100.0, "f1": 100.0}
+    from seqeval import metrics as seqeval_metrics
+
+    return {name: 100.0 * float(fn(gold, pred, zero_division=0)) for name, fn in (
+        ("precision", seqeval_metrics.precision_score), ("recall", seqeval_metrics.recall_score),
+        ("f1", seqeval_metrics.f1_score))}
 
 
 def ner_mention_metrics(

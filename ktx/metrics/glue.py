@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import scipy.stats
+import sklearn.metrics
 
 __all__ = [
     "INVALID",
@@ -133,22 +134,8 @@ def _value(x):
     return x["value"] if isinstance(x, Mapping) else x
 
 
-def _binary_counts(targets, predictions) -> tuple[int, int, int, int]:
-    """(tp, fp, fn, tn) with positive class 1; an invalid prediction is the wrong class."""
-    t = np.asarray([_value(x) for x in targets], dtype=np.int64)
-    p = np.asarray([_value(x) for x in predictions], dtype=np.int64)
-    if not np.isin(t, (0, 1)).all():
-        raise ValueError(f"binary targets must be 0/1, found {sorted(set(t.tolist()))}")
-    p = np.where(np.isin(p, (0, 1)), p, 1 - t)
-    tp = int(np.sum((p == 1) & (t == 1)))
-    fp = int(np.sum((p == 1) & (t == 0)))
-    fn = int(np.sum((p == 0) & (t == 1)))
-    tn = int(np.sum((p == 0) & (t == 0)))
-    return tp, fp, fn, tn
-
-
-def _f1(tp: int, fp: int, fn: int) -> float:
-    return 0.0 if tp == 0 else 2.0 * tp / (2 * tp + fp + fn)
+def _labels(values) -> np.ndarray:
+    return np.asarray([_value(x) for x in values], dtype=np.int64)
 
 
 def accuracy(targets: Sequence[Any], predictions: Sequence[Any]) -> dict[str, float]:
@@ -159,37 +146,31 @@ def accuracy(targets: Sequence[Any], predictions: Sequence[Any]) -> dict[str, fl
 
 
 def f1_binary(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
-    """{"f1": 100 * F1 of class 1}; invalid predictions count as wrong (MRPC, QQP)."""
+    """{"f1": 100 * F1 of class 1} (`sklearn.metrics.f1_score`, as the T5 library scores
+    MRPC and QQP); an invalid prediction counts as the wrong class."""
     _check(targets, predictions)
-    tp, fp, fn, _ = _binary_counts(targets, predictions)
-    return {"f1": 100.0 * _f1(tp, fp, fn)}
+    t, p = _labels(targets), _labels(predictions)
+    if not np.isin(t, (0, 1)).all():
+        raise ValueError(f"binary targets must be 0/1, found {sorted(set(t.tolist()))}")
+    p = np.where(np.isin(p, (0, 1)), p, 1 - t)
+    return {"f1": 100.0 * float(sklearn.metrics.f1_score(t, p, zero_division=0))}
 
 
 def matthews_corrcoef(targets: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
-    """{"matthews_corrcoef": 100 * MCC} (Matthews, 1975; Gorodkin's multiclass form).
+    """{"matthews_corrcoef": 100 * MCC} (`sklearn.metrics.matthews_corrcoef`, Gorodkin's
+    multiclass form; Matthews, 1975).
 
     As T5 scores CoLA: its postprocessor `string_label_to_class_id` maps an invalid
-    generation to -1, and sklearn's `matthews_corrcoef` then treats -1 as a class of its
-    own (never a target), so an invalid prediction is not mapped to a real class. With
-    the K x K confusion matrix over the labels present, c = correct, s = total,
-    t_k / p_k = true / predicted counts of class k:
+    generation to -1, which sklearn treats as a class of its own (never a target), so an
+    invalid prediction is not mapped to a real class. With the K x K confusion matrix,
+    c = correct, s = total, t_k / p_k = true / predicted counts of class k:
 
         MCC = (c s - sum_k t_k p_k) / sqrt((s^2 - sum_k p_k^2) (s^2 - sum_k t_k^2))
 
-    0 when the denominator is 0, as sklearn. Binary labels give the usual
-    (tp tn - fp fn) / sqrt((tp + fp)(tp + fn)(tn + fp)(tn + fn)).
+    0 when the denominator is 0.
     """
     _check(targets, predictions)
-    t = np.asarray([_value(x) for x in targets], dtype=np.int64)
-    p = np.asarray([_value(x) for x in predictions], dtype=np.int64)
-    labels = np.union1d(t, p)
-    true_counts = np.array([np.sum(t == k) for k in labels], dtype=np.float64)
-    pred_counts = np.array([np.sum(p == k) for k in labels], dtype=np.float64)
-    correct, total = float(np.sum(t == p)), float(t.size)
-    covariance = correct * total - float(true_counts @ pred_counts)
-    denominator = np.sqrt((total**2 - float(pred_counts @ pred_counts))
-                          * (total**2 - float(true_counts @ true_counts)))
-    mcc = 0.0 if denominator == 0 else covariance / denominator
+    mcc = sklearn.metrics.matthews_corrcoef(_labels(targets), _labels(predictions))
     return {"matthews_corrcoef": 100.0 * float(mcc)}
 
 
@@ -216,8 +197,8 @@ def mean_multiclass_f1(num_classes: int) -> MetricFn:
     """Metric {"mean_<n>class_f1": 100 * unweighted mean over classes of per-class F1}.
 
     CB uses n=3 (SuperGLUE macro-F1). A class absent from both targets and predictions has
-    F1 0, as sklearn's `f1_score(average="macro", labels=range(n))`; an invalid prediction
-    is a false negative of its target's class.
+    F1 0 (`sklearn.metrics.f1_score(average="macro", labels=range(n))`); an invalid
+    prediction is a false negative of its target's class.
     """
     if not isinstance(num_classes, int) or num_classes < 2:
         raise ValueError(f"num_classes={num_classes!r}: expected an int >= 2")
@@ -225,15 +206,10 @@ def mean_multiclass_f1(num_classes: int) -> MetricFn:
 
     def metric(targets, predictions):
         _check(targets, predictions)
-        t = np.asarray([_value(x) for x in targets], dtype=np.int64)
-        p = np.asarray([_value(x) for x in predictions], dtype=np.int64)
-        scores = []
-        for c in range(num_classes):
-            tp = int(np.sum((p == c) & (t == c)))
-            fp = int(np.sum((p == c) & (t != c)))
-            fn = int(np.sum((p != c) & (t == c)))
-            scores.append(_f1(tp, fp, fn))
-        return {name: 100.0 * float(np.mean(scores))}
+        f1 = sklearn.metrics.f1_score(_labels(targets), _labels(predictions),
+                                      labels=list(range(num_classes)), average="macro",
+                                      zero_division=0)
+        return {name: 100.0 * float(f1)}
 
     return metric
 

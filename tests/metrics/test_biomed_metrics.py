@@ -2,6 +2,8 @@
 
 import math
 
+import numpy as np
+
 import pytest
 
 from ktx.metrics import biomed as m
@@ -143,3 +145,19 @@ def test_answer_ranking_metrics_validates_inputs():
         m.answer_ranking_metrics([{"correct": True}], [1.0])
     with pytest.raises(ValueError, match="at least one"):
         m.answer_ranking_metrics([], [])
+
+
+def test_entity_prf_iob_equals_span_counting_on_random_tags():
+    """seqeval's scores equal counting the `iob_to_spans` entities (conlleval rules: an
+    I- tag that does not continue an entity of its type starts one)."""
+    rng = np.random.default_rng(0)
+    tags = ["O", "B-Disease", "I-Disease", "B-Chemical", "I-Chemical"]
+    for _ in range(20):
+        n = int(rng.integers(1, 6))
+        gold = [[tags[i] for i in rng.integers(0, 5, size=int(k))] for k in rng.integers(1, 12, n)]
+        pred = [[tags[i] if rng.random() < 0.5 else t for i, t in zip(rng.integers(0, 5, len(g)), g)]
+                for g in gold]
+        want = m.entity_prf([m.iob_to_spans(g) for g in gold], [m.iob_to_spans(p) for p in pred])
+        assert m.entity_prf_iob(gold, pred) == pytest.approx(want)
+    with pytest.raises(ValueError, match="not an IOB tag"):
+        m.entity_prf_iob([["X-Disease"]], [["O"]])
