@@ -26,7 +26,6 @@ names (difflib) for a misspelt parameter, configurable, module attribute or macr
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -200,11 +199,10 @@ def _run(args, bindings) -> int:
             process_id=args.process_id,
         )
     files = parse_gin(args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p])
-    data_dir = _query_macro("DATA_DIR")
-    if data_dir:
-        os.environ["KTX_DATA_DIR"] = str(data_dir)
     from ktx.data import files as data_files
 
+    # DATA_DIR (runs/*.gin): the data folder of every loader; None: $KTX_DATA_DIR.
+    data_files.set_data_dir(_query_macro("DATA_DIR") or None)
     # ON_BAD_ROW (runs/*.gin): "raise" or "skip" for every file this command reads;
     # None: $KTX_ON_BAD_ROW, else "raise".
     data_files.set_on_bad_row(_query_macro("ON_BAD_ROW"))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import difflib
-import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -57,8 +56,9 @@ def _analyze_attention(args, bindings: Sequence[tuple[str, str]]) -> int:
     import gin
 
     parse_gin(args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p])
-    if _query_macro("DATA_DIR"):
-        os.environ["KTX_DATA_DIR"] = str(_query_macro("DATA_DIR"))
+    from ktx.data import files as data_files
+
+    data_files.set_data_dir(_query_macro("DATA_DIR") or None)
     values = {m: _query_macro(m) for m in ("MODEL", "MIXTURE_OR_TASK_NAME", "TASK_FEATURE_LENGTHS")}
     unset = [m for m, v in values.items() if v is None or repr(v) == "%gin.REQUIRED"]
     if unset:

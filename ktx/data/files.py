@@ -26,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "DATA_DIR_ENV",
+    "set_data_dir",
     "ON_BAD_ROW_ENV",
     "BAD_ROW_POLICIES",
     "SKIP_HOW_TO",
@@ -53,6 +54,13 @@ SKIP_HOW_TO = (
     f"{ON_BAD_ROW_ENV}=skip, or call ktx.data.files.set_on_bad_row('skip') in Python"
 )
 _policy: dict[str, str | None] = {"default": None}
+_data_dir: dict[str, pathlib.Path | None] = {"default": None}
+
+
+def set_data_dir(data_dir: str | os.PathLike | None) -> None:
+    """Sets this process's data folder (the CLI passes the gin macro DATA_DIR here);
+    None: back to `$KTX_DATA_DIR`. Every loader resolves it through `resolve_data_dir`."""
+    _data_dir["default"] = None if data_dir in (None, "") else pathlib.Path(data_dir).expanduser()
 
 
 def _check_policy(policy: str, where: str) -> str:
@@ -94,16 +102,19 @@ class DataFileError(ValueError):
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """The data folder: `data_dir` if given, else `$KTX_DATA_DIR`.
+    """The data folder: `data_dir` if given, else `set_data_dir`'s (the gin macro
+    DATA_DIR of a ktx command), else `$KTX_DATA_DIR`.
 
     Raises:
-      DataFileError: neither is set, or the folder does not exist.
+      DataFileError: none is set, or the folder does not exist.
     """
-    value = data_dir if data_dir not in (None, "") else os.environ.get(DATA_DIR_ENV)
+    value = data_dir if data_dir not in (None, "") else (
+        _data_dir["default"] or os.environ.get(DATA_DIR_ENV))
     if not value:
         raise DataFileError(
-            f"No data directory: set the gin macro DATA_DIR or the environment variable "
-            f"{DATA_DIR_ENV} to the folder holding glue/, super_glue/, biomed/, recsys/, vocab/"
+            f"No data directory: set the gin macro DATA_DIR (--gin.DATA_DIR=\"'/path'\"), the "
+            f"environment variable {DATA_DIR_ENV}, or call ktx.data.files.set_data_dir(path): "
+            "the folder holding glue/, super_glue/, biomed/, recsys/, vocab/"
         )
     path = pathlib.Path(value).expanduser()
     if not path.is_dir():
