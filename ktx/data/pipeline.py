@@ -18,6 +18,14 @@ step `s` is then assembled with numpy gathers:
 * layout `"sampled"`: each row's task is drawn with the step's rates and its example
   uniformly (with replacement) from a step-seeded generator; `task_counts` is None.
 
+Encoder tasks (`ktx.data.encoder_features`: output features `text_a`, `text_b`, `label`;
+the `*_bert_v001` tasks of `ktx.tasks`) give `EncoderClassifierModel` rows instead:
+`input_ids`, `token_type_ids`, `attention_mask` `[L]` and `label` float32, with
+`task_feature_lengths = {"inputs": L}` (the model's key) and the same layouts, mixing,
+carry and resume semantics; they are never packed. Their WordPiece vocabulary is
+`encoder_vocabulary` (the gin macro `ENCODER_VOCAB`), and `num_labels` (the model's
+`NUM_LABELS`) is checked against each task's labels. A mixture holds one kind of task.
+
 Task ids are indices in the mixture's registration order (sub-mixtures flattened in
 place, first occurrence wins), not the alphabetical order of `seqio.Mixture.tasks`.
 
@@ -47,13 +55,17 @@ import jax
 import numpy as np
 import seqio
 
+from ktx.data import encoder_features as ef
 from ktx.data import feature_converter as fc
 from ktx.data import files
 from ktx.data import mixing as mixing_lib
+from ktx.data import wordpiece
 
-__all__ = ["LAYOUTS", "MultiTaskInput", "mixture_task_names", "mixture_rates"]
+__all__ = ["LAYOUTS", "TASK_KINDS", "MultiTaskInput", "mixture_task_names", "mixture_rates",
+           "task_kind", "encoder_num_labels"]
 
 LAYOUTS = ("task_partitioned", "sampled")
+TASK_KINDS = ("enc_dec", "encoder")
 _CACHE_FORMAT = 1
 
 
@@ -100,6 +112,26 @@ def mixture_rates(mixture_or_task_name: str) -> np.ndarray:
     return np.asarray(rates)
 
 
+def task_kind(task_name: str) -> str:
+    """"encoder" for an encoder task (`ktx.data.encoder_features.is_encoder_task`),
+    "enc_dec" for an inputs/targets task; anything else raises naming its features."""
+    task = seqio.get_mixture_or_task(task_name)
+    if ef.is_encoder_task(task):
+        return "encoder"
+    if {"inputs", "targets"} <= set(task.output_features):
+        return "enc_dec"
+    raise ValueError(
+        f"task {task_name!r} has output features {sorted(task.output_features)}; MultiTaskInput "
+        "converts encoder-decoder tasks (inputs, targets) and encoder tasks (text_a, text_b, "
+        "label: ktx.data.encoder_features)")
+
+
+def encoder_num_labels(mixture_or_task_name: str) -> tuple[int, ...]:
+    """The head size each encoder task of a mixture needs (task-id order; 1 = regression)."""
+    return tuple(ef.label_space(seqio.get_mixture_or_task(n)).num_labels
+                 for n in mixture_task_names(mixture_or_task_name))
+
+
 def _check_batching(layout: str, batch_size: int, process_index: int, process_count: int, seed: int) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; accepted: {LAYOUTS}")
@@ -120,10 +152,12 @@ class MultiTaskInput:
     """Deterministic multi-task batches of a SeqIO task or mixture (a `ktx.runs.train.TrainInput`).
 
     Args:
-      mixture_or_task_name: a registered SeqIO task or mixture (tasks need `inputs` and
-        `targets` output features).
+      mixture_or_task_name: a registered SeqIO task or mixture: encoder-decoder tasks
+        (`inputs`, `targets` output features) or encoder tasks (`text_a`, `text_b`,
+        `label`; see the module docstring), not both.
       task_feature_lengths: `{"inputs": Le, "targets": Ld}`; longer examples are trimmed
-        by the task (`trim_output_features=True`), as in T5X.
+        by the task (`trim_output_features=True`), as in T5X. Encoder tasks:
+        `{"inputs": L}`, longer pairs cut longest-first.
       batch_size: the GLOBAL batch size (divisible by `process_count`).
       split: the training split.
       seed: seeds the per-task permutations and the sampled layout.
@@ -141,6 +175,12 @@ class MultiTaskInput:
       on_bad_row: "raise" | "skip" for the data files this input reads (training and
         evaluation splits); None: the process default (`ktx.data.files.get_on_bad_row`).
         From gin: `pipeline.MultiTaskInput.on_bad_row = 'skip'`.
+      encoder_vocabulary: encoder tasks: the WordPiece vocabulary their text is tokenized
+        with (a checkpoint folder holding `tokenizer.json` or `vocab.txt`, or the file;
+        `ktx.data.wordpiece.encoder_vocabulary_scope`); None: `$KTX_ENCODER_VOCAB`.
+      num_labels: encoder tasks: the model's head sizes (one int for all, or one per task;
+        gin binds the model's `NUM_LABELS`); each must match its task's labels (classes,
+        or 1 for a regression), else ValueError. None: not checked.
     """
 
     def __init__(
@@ -160,6 +200,8 @@ class MultiTaskInput:
         min_rows_per_task: int = 0,
         shuffle: bool = True,
         on_bad_row: str | None = None,
+        encoder_vocabulary: str | os.PathLike | None = None,
+        num_labels: int | Sequence[int] | None = None,
     ):
         if on_bad_row is not None and on_bad_row not in files.BAD_ROW_POLICIES:
             raise ValueError(f"on_bad_row={on_bad_row!r}; accepted: {files.BAD_ROW_POLICIES} or None")
@@ -167,11 +209,24 @@ class MultiTaskInput:
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
         _check_batching(layout, batch_size, process_index, process_count, seed)
-        lengths = dict(task_feature_lengths)
-        if set(lengths) != {"inputs", "targets"}:
+        task_names = mixture_task_names(mixture_or_task_name)
+        kinds = {name: task_kind(name) for name in task_names}
+        if len(set(kinds.values())) > 1:
             raise ValueError(
-                f"task_feature_lengths={lengths!r}; accepted: a dict with keys 'inputs' and 'targets'"
-            )
+                f"mixture {mixture_or_task_name!r} mixes encoder and encoder-decoder tasks "
+                f"{kinds}; a MultiTaskInput feeds one model: use one kind")
+        self.kind = next(iter(kinds.values()))
+        lengths = dict(task_feature_lengths)
+        keys = {"inputs", "targets"} if self.kind == "enc_dec" else {"inputs"}
+        if set(lengths) != keys:
+            raise ValueError(
+                f"task_feature_lengths={lengths!r}; accepted for "
+                + ("encoder-decoder tasks: a dict with keys 'inputs' and 'targets'"
+                   if self.kind == "enc_dec" else
+                   f"the encoder tasks {list(task_names)}: {{'inputs': L}} (the sequence length)"))
+        if self.kind == "encoder" and pack:
+            raise ValueError(f"pack=True: encoder tasks {list(task_names)} are not packed "
+                             "(one example per row); set pack=False")
         for key, value in lengths.items():
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"task_feature_lengths[{key!r}]={value!r}; accepted: an int >= 1")
@@ -190,18 +245,18 @@ class MultiTaskInput:
         self.process_count = int(process_count)
         self.shuffle = bool(shuffle)
         self.on_bad_row = on_bad_row
-        self.task_names: tuple[str, ...] = mixture_task_names(mixture_or_task_name)
-        for name in self.task_names:
-            missing = {"inputs", "targets"} - set(seqio.get_mixture_or_task(name).output_features)
-            if missing:
-                raise ValueError(f"task {name!r} has no output feature(s) {sorted(missing)}; "
-                                 "MultiTaskInput converts encoder-decoder tasks (inputs, targets)")
+        self.encoder_vocabulary = encoder_vocabulary
+        self.task_names: tuple[str, ...] = task_names
+        if num_labels is not None:
+            if self.kind != "encoder":
+                raise ValueError(f"num_labels={num_labels!r} applies to encoder tasks; "
+                                 f"{list(task_names)} are encoder-decoder tasks: leave it None")
+            ef.check_num_labels(task_names, self.label_spaces, num_labels)
+        self.num_labels = num_labels
 
         self._train = [self._load(t, split, pack=self.pack) for t in range(self.num_tasks)]
         self._eval: dict[tuple[str, str], dict[str, np.ndarray]] = {}
-        self.task_sizes: tuple[int, ...] = tuple(
-            int(a["encoder_input_tokens"].shape[0]) for a in self._train
-        )
+        self.task_sizes: tuple[int, ...] = tuple(int(a["task_id"].shape[0]) for a in self._train)
         self.min_rows_per_task = int(min_rows_per_task)
         self._setup_schedule()
         logging.info(
@@ -266,6 +321,11 @@ class MultiTaskInput:
     @property
     def num_tasks(self) -> int:
         return len(self.task_names)
+
+    @property
+    def label_spaces(self) -> tuple[ef.LabelSpace, ...]:
+        """Encoder tasks: each task's `LabelSpace` (task-id order)."""
+        return tuple(ef.label_space(seqio.get_mixture_or_task(n)) for n in self.task_names)
 
     @property
     def local_batch_size(self) -> int:
@@ -355,7 +415,7 @@ class MultiTaskInput:
                 f"batch_size={batch_size!r}; accepted: an int >= 1 divisible by process_count={self.process_count}"
             )
         arrays = self.eval_arrays(task_name, split)
-        n = arrays["encoder_input_tokens"].shape[0]
+        n = arrays["task_id"].shape[0]
         local = batch_size // self.process_count
         lo = self.process_index * local
         for start in range(0, n, batch_size):
@@ -408,14 +468,17 @@ class MultiTaskInput:
     def _cache_path(self, task_name: str, split: str, pack: bool) -> pathlib.Path | None:
         if self.cache_dir is None:
             return None
-        key = json.dumps(
-            [_CACHE_FORMAT, self.task_feature_lengths, pack, self.seed, self.use_cached], sort_keys=True
-        )
+        fields = [_CACHE_FORMAT, self.task_feature_lengths, pack, self.seed, self.use_cached]
+        if self.kind == "encoder":  # the ids depend on the vocabulary
+            vocabulary = seqio.get_mixture_or_task(task_name).output_features["text_a"].vocabulary
+            fields.append(getattr(vocabulary, "cache_key", repr(vocabulary)))
+        key = json.dumps(fields, sort_keys=True)
         digest = hashlib.sha1(key.encode()).hexdigest()[:12]
         return self.cache_dir / task_name / f"{split}-{digest}.npz"
 
     def _load(self, task: int, split: str, *, pack: bool) -> dict[str, np.ndarray]:
-        with files.on_bad_row_policy(self.on_bad_row):
+        with files.on_bad_row_policy(self.on_bad_row), \
+                wordpiece.encoder_vocabulary_scope(self.encoder_vocabulary):
             return self._load_with_policy(task, split, pack=pack)
 
     def _load_with_policy(self, task: int, split: str, *, pack: bool) -> dict[str, np.ndarray]:
@@ -428,6 +491,18 @@ class MultiTaskInput:
         seqio_task = seqio.get_mixture_or_task(name)
         if split not in seqio_task.splits:
             raise ValueError(f"task {name!r} has no split {split!r}; splits: {tuple(seqio_task.splits)}")
+        if self.kind == "encoder":
+            arrays = fc.compact(self._convert_encoder(seqio_task, split))
+        else:
+            arrays = fc.compact(self._convert_enc_dec(seqio_task, split, pack))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
+            np.savez(tmp, **arrays)
+            os.replace(tmp, path)
+        return fc.add_task_id(arrays, task, np.uint16)
+
+    def _convert_enc_dec(self, seqio_task: seqio.Task, split: str, pack: bool) -> dict[str, np.ndarray]:
         ds = seqio_task.get_dataset(
             sequence_length=self.task_feature_lengths,
             split=split,
@@ -442,14 +517,27 @@ class MultiTaskInput:
             1024, padded_shapes={k: [self.task_feature_lengths[k]] for k in keys}
         )
         tokens = fc.tokens_from_batches(
-            ds.as_numpy_iterator(), self.task_feature_lengths, source=f"{name}/{split}"
+            ds.as_numpy_iterator(), self.task_feature_lengths, source=f"{seqio_task.name}/{split}"
         )
-        arrays = fc.compact(fc.convert_enc_dec(
+        return fc.convert_enc_dec(
             tokens, self.task_feature_lengths["inputs"], self.task_feature_lengths["targets"], pack=pack
-        ))
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-            np.savez(tmp, **arrays)
-            os.replace(tmp, path)
-        return fc.add_task_id(arrays, task, np.uint16)
+        )
+
+    def _convert_encoder(self, seqio_task: seqio.Task, split: str) -> dict[str, np.ndarray]:
+        # Read the vocabulary here, so that a bad file raises its own error, not a
+        # tf.data one from inside the tokenizer op.
+        vocabulary = seqio_task.output_features["text_a"].vocabulary
+        cls_id, sep_id = vocabulary.cls_id, vocabulary.sep_id
+        ds = seqio_task.get_dataset(
+            sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
+            seed=self.seed, num_epochs=1, trim_output_features=False,
+        )
+        columns: dict[str, list] = {"text_a": [], "text_b": [], "label": []}
+        for example in ds.as_numpy_iterator():
+            for key, column in columns.items():
+                column.append(example[key])
+        ef.check_labels(np.asarray(columns["label"], np.float64), ef.label_space(seqio_task),
+                        source=f"task {seqio_task.name!r} split {split!r}")
+        return ef.convert_encoder(
+            columns["text_a"], columns["text_b"], columns["label"],
+            self.task_feature_lengths["inputs"], cls_id=cls_id, sep_id=sep_id)
