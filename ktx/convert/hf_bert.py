@@ -63,9 +63,10 @@ __all__ = [
 MODEL_TYPES = ("bert",)
 # Top-level parameter scopes a model started from a BERT checkpoint may have without the
 # checkpoint holding them (task heads; the pooler of an MLM checkpoint) or may leave unused
-# (the MLM head of a classifier): `ktx.training.checkpoints.load_initial_params` initializes or
-# skips them and reports it.
-PARTIAL_SCOPES = ("pooler", "mlm", "task_heads")
+# (the MLM head of a classifier; the new top layers `shared_layers` of
+# `EncoderClassifierModel(shared_layers=k)`): `ktx.training.checkpoints.load_initial_params`
+# initializes or skips them and reports it.
+PARTIAL_SCOPES = ("pooler", "mlm", "task_heads", "shared_layers")
 _ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new"}
 _SKIPPED = ("embeddings.position_ids", "cls.seq_relationship.weight", "cls.seq_relationship.bias")
 

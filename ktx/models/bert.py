@@ -35,6 +35,7 @@ Parameters (flat paths; each maps one to one to a transformers `BertModel` /
     mlm/transform/{kernel [E, E], bias [E]}         (embed, mlp) / (mlp,)
     mlm/layer_norm/{scale,bias}                     [E]
     mlm/bias                                        [V]        (vocab,)
+    shared_layers/layers_j/...                      as layers_i (optional extra top layers)
 
 The pooler's and MLM transform's output axis is named `mlp` (sharded over `model`), as a
 square `[E, E]` matrix needs one sharded side.
@@ -70,8 +71,12 @@ __all__ = [
     "BertAttention",
     "BertLayer",
     "BertMLMHead",
+    "SHARED_LAYERS_SCOPE",
+    "SharedTopLayers",
     "BertEncoder",
     "attention_mask_from",
+    "add_perturbation",
+    "check_shared_layers",
 ]
 
 # transformers' `hidden_act` names: "gelu" is the exact erf GELU, "gelu_new" (alias
@@ -338,6 +343,46 @@ class BertMLMHead(nn.Module):
         return nn.with_logical_constraint(logits, (BATCH, LENGTH, VOCAB))
 
 
+SHARED_LAYERS_SCOPE = "shared_layers"
+
+
+class SharedTopLayers(nn.Module):
+    """`num_layers` extra task-shared BERT layers on top of an encoder (SlapBERT's shared
+    layer): `[B, L, E]`, key mask `[B, L]` -> `[B, L, E]`. New parameters
+    `layers_<i>/...` (a `BertLayer` each, BERT's initialisation), trained from scratch:
+    no BERT checkpoint has them."""
+
+    config: BertConfig
+    num_layers: int = 1
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, deterministic: bool) -> Array:
+        c = self.config
+        for i in range(self.num_layers):
+            x = BertLayer(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+                          c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate,
+                          c.activation_dtype, name=f"layers_{i}")(x, mask, deterministic)
+        return x
+
+
+def check_shared_layers(owner: str, value: Any) -> int:
+    """`value` as a number of shared top layers (an int >= 0); ValueError naming `owner`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}.shared_layers={value!r}: must be an int >= 0")
+    return value
+
+
+def add_perturbation(x: Array, perturbation: Array | None) -> Array:
+    """`x [B, L, E] + perturbation` (None: `x`), the embedding perturbation of
+    adversarial training (`ktx.models.smart`); shapes must match."""
+    if perturbation is None:
+        return x
+    if perturbation.shape != x.shape:
+        raise ValueError(f"embedding_perturbation has shape {perturbation.shape}; accepted: the "
+                         f"embedding output's {x.shape}")
+    return x + jnp.asarray(perturbation, x.dtype)
+
+
 class BertEncoder(nn.Module):
     """The BERT encoder with its pooler and (on request) MLM head.
 
@@ -345,9 +390,15 @@ class BertEncoder(nn.Module):
     mlm=False) -> BertOutput`: int `[B, L]` inputs (token types default to 0, the mask to
     `input_ids > 0`); `mlm=True` adds `mlm_logits [B, L, V]` (and creates the `mlm`
     parameters at init); `pool=False` leaves out the pooler (`pooled_output` None). Subclasses (task heads) call `encode` and add modules in `setup`.
+
+    `num_shared_layers > 0` puts that many new task-shared layers (`SharedTopLayers`, scope
+    `shared_layers`) between the last BERT layer and the pooler. `embedding_perturbation`
+    `[B, L, E]` is added to the embedding output (after its LayerNorm and dropout), the
+    input of the first layer (SMART's perturbed embeddings).
     """
 
     config: BertConfig = BertConfig()
+    num_shared_layers: int = 0
 
     def setup(self):
         c = self.config
@@ -363,10 +414,13 @@ class BertEncoder(nn.Module):
         ]
         self.pooler = _dense(c.hidden_size, (EMBED, MLP), (MLP,), dtype=dtype)
         self.mlm = BertMLMHead(c.vocab_size, c.hidden_act, c.layer_norm_eps, dtype)
+        self.shared_layers = (SharedTopLayers(c, self.num_shared_layers)
+                              if self.num_shared_layers else None)
 
     def encode(
         self, input_ids: Array, token_type_ids: Array | None = None,
         attention_mask: Array | None = None, *, deterministic: bool = True, pool: bool = True,
+        embedding_perturbation: Array | None = None,
     ) -> tuple[Array, Array | None]:
         """`(last_hidden_state [B, L, E], pooled_output [B, E])`; `pool=False` skips the
         pooler (None; a checkpoint without one, e.g. transformers' `BertForMaskedLM`)."""
@@ -382,9 +436,12 @@ class BertEncoder(nn.Module):
                 f"{input_ids.shape}"
             )
         mask = attention_mask_from(input_ids, attention_mask)
-        x = self.embeddings(input_ids, token_type_ids, deterministic)
+        x = add_perturbation(self.embeddings(input_ids, token_type_ids, deterministic),
+                             embedding_perturbation)
         for layer in self.layers:
             x = layer(x, mask, deterministic)
+        if self.shared_layers is not None:
+            x = self.shared_layers(x, mask, deterministic)
         pooled = jnp.tanh(self.pooler(x[:, 0])) if pool else None
         return x, pooled
 

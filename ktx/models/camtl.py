@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from ktx.models import bert, encoder
-from ktx.models.base import Batch, row_keys
+from ktx.models.base import Batch
 from ktx.analysis.params import CONDITIONING_SCOPE
 from ktx.partitioning import (
     BATCH,
@@ -494,6 +494,7 @@ class CaMtlEncoder(nn.Module):
     config: bert.BertConfig = bert.BertConfig()
     camtl: CaMtlConfig = CaMtlConfig()
     num_tasks: int = 1
+    num_shared_layers: int = 0
 
     def setup(self):
         c = self.config
@@ -512,6 +513,8 @@ class CaMtlEncoder(nn.Module):
             for i in range(c.num_layers)
         ]
         self.pooler = _dense(c.hidden_size, (EMBED, MLP), (MLP,), dtype, None)
+        self.shared_layers = (bert.SharedTopLayers(c, self.num_shared_layers)
+                              if self.num_shared_layers else None)
 
     def _check(self, input_ids, token_type_ids, attention_mask, task_id):
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
@@ -534,13 +537,15 @@ class CaMtlEncoder(nn.Module):
 
     def __call__(self, input_ids: Array, token_type_ids: Array | None = None,
                  attention_mask: Array | None = None, task_id: Array | None = None, *,
-                 deterministic: bool = True) -> CaMtlOutput:
+                 deterministic: bool = True,
+                 embedding_perturbation: Array | None = None) -> CaMtlOutput:
         self._check(input_ids, token_type_ids, attention_mask, task_id)
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         mask = bert.attention_mask_from(input_ids, attention_mask)
         mask_bias = jnp.where(mask, 0.0, _MASK_VALUE)[:, None, None, :].astype(jnp.float32)
-        x = self.embeddings(input_ids, token_type_ids, deterministic)
+        x = bert.add_perturbation(self.embeddings(input_ids, token_type_ids, deterministic),
+                                  embedding_perturbation)
         x, z = self.conditioning(jnp.asarray(task_id, jnp.int32), x)
         hidden = [x]
         n = self.config.num_layers
@@ -555,6 +560,8 @@ class CaMtlEncoder(nn.Module):
             if chain is not None:
                 chain = self.conditioning.chain(i, z, x + chain)
         last = x if chain is None else chain
+        if self.shared_layers is not None:
+            last = self.shared_layers(last, mask, deterministic)
         pooled = jnp.tanh(self.pooler(last[:, 0]))
         return CaMtlOutput(last, pooled, tuple(hidden))
 
@@ -572,9 +579,10 @@ class CaMtlClassifier(CaMtlEncoder):
         self.task_heads = encoder.TaskHeads(tuple(self.num_labels), self.config.activation_dtype)
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, task_id=None, *,
-                 deterministic: bool = True):
+                 deterministic: bool = True, embedding_perturbation=None):
         out = super().__call__(input_ids, token_type_ids, attention_mask, task_id,
-                               deterministic=deterministic)
+                               deterministic=deterministic,
+                               embedding_perturbation=embedding_perturbation)
         return self.task_heads(self.head_dropout(out.pooled_output, deterministic=deterministic))
 
     def encode(self, input_ids, token_type_ids=None, attention_mask=None, task_id=None, *,
@@ -589,22 +597,13 @@ class CaMtlClassifier(CaMtlEncoder):
 
 def frozen_patterns(num_layers: int, frozen_layers: int | str = 0) -> tuple[str, ...]:
     """Regexes (full match on '/'-joined paths, as `ktx.training.optimizers.freeze`) of the
-    parameters that do not train: with `frozen_layers = k > 0` (or "half": `num_layers //
-    2`), BERT's embeddings and layers `0 .. k-1`. Their task-conditioned parameters (in
-    `conditioning/`), the upper layers, the pooler and the heads train (the paper's
-    setting: the bottom half and the embeddings frozen; the authors' run freezes layers
-    0-4 of Base and 0-11 of Large).
+    parameters that do not train (`encoder.frozen_layer_patterns`): with `frozen_layers =
+    k > 0` (or "half": `num_layers // 2`), BERT's embeddings and layers `0 .. k-1`. Their
+    task-conditioned parameters (in `conditioning/`), the upper layers, the pooler and the
+    heads train (the paper's setting: the bottom half and the embeddings frozen; the
+    authors' run freezes layers 0-4 of Base and 0-11 of Large).
     """
-    if frozen_layers == "half":
-        frozen_layers = num_layers // 2
-    if isinstance(frozen_layers, bool) or not isinstance(frozen_layers, int) \
-            or not 0 <= frozen_layers <= num_layers:
-        raise ValueError(
-            f"frozen_layers={frozen_layers!r}; accepted: 'half' or an int in 0..{num_layers}")
-    if not frozen_layers:
-        return ()
-    layers = "|".join(str(i) for i in range(frozen_layers))
-    return ("embeddings/.*", f"layers_(?:{layers})/.*")
+    return encoder.frozen_layer_patterns(num_layers, frozen_layers)
 
 
 def _path_name(path) -> str:
@@ -677,24 +676,23 @@ class CaMtlClassifierModel(encoder.EncoderClassifierModel):
         frozen_layers: int | str = 0,
         **kwargs,
     ):
-        super().__init__(config, **kwargs)
+        super().__init__(config, frozen_layers=frozen_layers, **kwargs)
         camtl = CaMtlConfig() if camtl is None else camtl
         if not isinstance(camtl, CaMtlConfig):
             raise TypeError(f"CaMtlClassifierModel.camtl must be a CaMtlConfig, got "
                             f"{type(camtl).__name__}")
         camtl.check(self.config)
         self.camtl = camtl
-        self.frozen_layers = frozen_layers
-        self.frozen_patterns = frozen_patterns(self.config.num_layers, frozen_layers)
         self.module = CaMtlClassifier(
             config=self.config, camtl=camtl, num_tasks=self.num_tasks,
-            num_labels=self.num_labels, classifier_dropout=self.classifier_dropout)
+            num_shared_layers=self.shared_layers, num_labels=self.num_labels,
+            classifier_dropout=self.classifier_dropout)
 
     def __repr__(self) -> str:
         return (f"CaMtlClassifierModel(config={self.config}, camtl={self.camtl}, "
                 f"num_labels={self.num_labels}, classifier_dropout={self.classifier_dropout}, "
                 f"loss_normalization={self.loss_normalization!r}, "
-                f"frozen_layers={self.frozen_layers!r})")
+                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r})")
 
     def input_spec(self, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, jax.ShapeDtypeStruct]:
@@ -722,34 +720,19 @@ class CaMtlClassifierModel(encoder.EncoderClassifierModel):
                                  deterministic=True, method=CaMtlClassifier.encode)
 
     def logits(self, params: Any, batch: Batch, rng: jax.Array | None = None,
-               train: bool = False) -> tuple[Array, ...]:
+               train: bool = False, *,
+               embedding_perturbation: Array | None = None) -> tuple[Array, ...]:
         """`T` float32 logits `[B, n_t]` (every head on every row; the encoder is
-        conditioned on each row's `task_id`)."""
-        features = self._features(batch)
-        dropout = train and (self.config.dropout_rate > 0 or self.config.attention_dropout_rate > 0
-                             or self.classifier_dropout > 0)
-        if not dropout:
-            return self.module.apply({"params": params}, **features, deterministic=True)
-        if rng is None:
-            raise ValueError("train=True with dropout needs an rng")
-
-        def one(row, key):  # dropout keyed per example, as EncoderClassifierModel
-            row = {k: v[None] for k, v in row.items()}
-            out = self.module.apply({"params": params}, **row, deterministic=False,
-                                    rngs={"dropout": key})
-            return tuple(o[0] for o in out)
-
-        return jax.vmap(one)(features, row_keys(rng, batch))
+        conditioned on each row's `task_id`; dropout keyed per row, as
+        EncoderClassifierModel; `embedding_perturbation` `[B, L, E]` joins the embedding
+        output)."""
+        return self._apply(params, self._features(batch), batch, rng, train,
+                           embedding_perturbation)
 
     def normalised_entropy(self, params: Any, batch: Batch) -> Array:
         """`[B]` normalised entropy of each row's own head (deterministic forward)."""
         return row_normalised_entropy(self.logits(params, batch), batch["task_id"])
 
-    def loss_sums(self, params, batch, rng, train):
-        if self.frozen_patterns:
-            mask = _frozen_mask(params, self.frozen_patterns)
-            params = jax.tree.map(lambda p, m: jax.lax.stop_gradient(p) if m else p, params, mask)
-        return super().loss_sums(params, batch, rng, train)
 
 
 def ca_mtl_model(
@@ -766,4 +749,5 @@ def ca_mtl_model(
                         "ktx.models.encoder.EncoderClassifierModel")
     return CaMtlClassifierModel(
         base.config, camtl=camtl, frozen_layers=frozen_layers, num_labels=base.num_labels,
-        classifier_dropout=base.classifier_dropout, loss_normalization=base.loss_normalization)
+        classifier_dropout=base.classifier_dropout, loss_normalization=base.loss_normalization,
+        shared_layers=base.shared_layers)

@@ -18,12 +18,21 @@ classification), `weight`.
 
 Dropout is drawn per example (`ktx.models.base.row_keys`, a per-row vmap as
 `EncoderDecoderModel`), so task blocks and microbatches reproduce the whole batch's masks.
+
+Options every ktx encoder classifier shares (CA-MTL, PALs and TEA subclass this model):
+`shared_layers = k` puts k new task-shared BERT layers between the encoder and the pooler
+(`bert.SharedTopLayers`, scope `shared_layers`; SlapBERT's shared layer);
+`frozen_layers = k` (or "half") freezes BERT's embeddings and layers `0 .. k-1`
+(`frozen_patterns`, applied by the Trainer; their gradients are stopped in the loss);
+`logits(..., embedding_perturbation=δ)` adds `δ [B, L, E]` to the embedding output
+(`ktx.models.smart`).
 Labels outside `[0, n_t)` of a classification task cannot be checked under jit: they are
 clipped; validate them in the task's preprocessing.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,7 +44,8 @@ from ktx.models import bert
 from ktx.models.base import LOSS_NORMALIZATIONS, Batch, BaseModel, row_keys, segment_sum_by_task
 from ktx.partitioning import EMBED
 
-__all__ = ["TASK_HEADS_SCOPE", "TaskHeads", "BertClassifier", "EncoderClassifierModel"]
+__all__ = ["TASK_HEADS_SCOPE", "TaskHeads", "BertClassifier", "EncoderClassifierModel",
+           "frozen_layer_patterns", "stop_frozen_gradients"]
 
 TASK_HEADS_SCOPE = "task_heads"
 _FEATURES = ("input_ids", "token_type_ids", "attention_mask")
@@ -74,10 +84,43 @@ class BertClassifier(bert.BertEncoder):
         self.task_heads = TaskHeads(tuple(self.num_labels), self.config.activation_dtype)
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, *,
-                 deterministic: bool = True):
+                 deterministic: bool = True, embedding_perturbation=None):
         _, pooled = self.encode(input_ids, token_type_ids, attention_mask,
-                                deterministic=deterministic)
+                                deterministic=deterministic,
+                                embedding_perturbation=embedding_perturbation)
         return self.task_heads(self.head_dropout(pooled, deterministic=deterministic))
+
+
+def frozen_layer_patterns(num_layers: int, frozen_layers: int | str = 0) -> tuple[str, ...]:
+    """Regexes (full match on '/'-joined paths, as `ktx.training.optimizers.freeze`) of
+    the parameters that do not train with `frozen_layers = k > 0` (or "half":
+    `num_layers // 2`): BERT's `embeddings/.*` and `layers_0 .. layers_{k-1}`. Everything
+    else trains: the upper layers, shared top layers (`shared_layers/...`), a method's
+    `conditioning/...` parameters (also those of frozen layers), the pooler and the heads."""
+    if frozen_layers == "half":
+        frozen_layers = num_layers // 2
+    if isinstance(frozen_layers, bool) or not isinstance(frozen_layers, int) \
+            or not 0 <= frozen_layers <= num_layers:
+        raise ValueError(
+            f"frozen_layers={frozen_layers!r}; accepted: 'half' or an int in 0..{num_layers}")
+    if not frozen_layers:
+        return ()
+    layers = "|".join(str(i) for i in range(frozen_layers))
+    return ("embeddings/.*", f"layers_(?:{layers})/.*")
+
+
+def stop_frozen_gradients(params: Any, patterns: Sequence[str]) -> Any:
+    """`params` with `lax.stop_gradient` on the leaves whose path fully matches one of
+    `patterns`: the backward pass skips what the optimizer would zero anyway."""
+    if not patterns:
+        return params
+    compiled = [re.compile(p) for p in patterns]
+
+    def stop(path, leaf):
+        name = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+        return jax.lax.stop_gradient(leaf) if any(rx.fullmatch(name) for rx in compiled) else leaf
+
+    return jax.tree_util.tree_map_with_path(stop, params)
 
 
 class EncoderClassifierModel(BaseModel):
@@ -92,6 +135,12 @@ class EncoderClassifierModel(BaseModel):
       classifier_dropout: dropout on the pooled output before the heads (default: the
         config's `dropout_rate`, as transformers).
       loss_normalization: "global" (mean over all rows of the batch) or "per_task".
+      shared_layers: extra task-shared BERT layers between the encoder and the pooler
+        (`bert.SharedTopLayers`, scope `shared_layers`, new parameters; SlapBERT's shared
+        layer); 0: none.
+      frozen_layers: 0 (train everything), k or "half": BERT's embeddings and layers
+        `0 .. k-1` get no update (`frozen_patterns`, applied by the Trainer's
+        `TaskOptimizer`) and no gradient (stopped in the loss).
     """
 
     def __init__(
@@ -102,6 +151,8 @@ class EncoderClassifierModel(BaseModel):
         num_tasks: int | None = None,
         classifier_dropout: float | None = None,
         loss_normalization: str = "global",
+        shared_layers: int = 0,
+        frozen_layers: int | str = 0,
     ):
         config = bert.BertConfig() if config is None else config
         if not isinstance(config, bert.BertConfig):
@@ -139,13 +190,21 @@ class EncoderClassifierModel(BaseModel):
         self.num_tasks = len(self.num_labels)
         self.classifier_dropout = float(classifier_dropout)
         self.loss_normalization = loss_normalization
+        self.shared_layers = bert.check_shared_layers(type(self).__name__, shared_layers)
+        try:
+            self.frozen_patterns = frozen_layer_patterns(config.num_layers, frozen_layers)
+        except ValueError as e:
+            raise ValueError(f"{type(self).__name__}.{e}") from e
+        self.frozen_layers = frozen_layers
         self.module = BertClassifier(
-            config=config, num_labels=self.num_labels, classifier_dropout=self.classifier_dropout)
+            config=config, num_shared_layers=self.shared_layers, num_labels=self.num_labels,
+            classifier_dropout=self.classifier_dropout)
 
     def __repr__(self) -> str:
         return (f"EncoderClassifierModel(config={self.config}, num_labels={self.num_labels}, "
                 f"classifier_dropout={self.classifier_dropout}, "
-                f"loss_normalization={self.loss_normalization!r})")
+                f"loss_normalization={self.loss_normalization!r}, "
+                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r})")
 
     # ---------------------------------------------------------------- inputs
 
@@ -189,10 +248,18 @@ class EncoderClassifierModel(BaseModel):
     # ---------------------------------------------------------------- loss
 
     def logits(self, params: Any, batch: Batch, rng: jax.Array | None = None,
-               train: bool = False) -> tuple[jax.Array, ...]:
-        """`T` float32 logits `[B, n_t]` (every head on every row)."""
+               train: bool = False, *,
+               embedding_perturbation: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """`T` float32 logits `[B, n_t]` (every head on every row); `embedding_perturbation`
+        `[B, L, E]` is added to the embedding output (`ktx.models.smart`)."""
         self._check_batch(batch, ("input_ids",))
         features = {k: jnp.asarray(batch[k], jnp.int32) for k in _FEATURES if k in batch}
+        return self._apply(params, features, batch, rng, train, embedding_perturbation)
+
+    def _apply(self, params, features, batch, rng, train, embedding_perturbation):
+        """`self.module` on `features` (+ the perturbation), dropout keyed per row."""
+        if embedding_perturbation is not None:
+            features = dict(features, embedding_perturbation=embedding_perturbation)
         dropout = train and (self.config.dropout_rate > 0 or self.config.attention_dropout_rate > 0
                              or self.classifier_dropout > 0)
         if not dropout:
@@ -209,7 +276,8 @@ class EncoderClassifierModel(BaseModel):
 
         return jax.vmap(one)(features, row_keys(rng, batch))
 
-    def _row_weights(self, batch: Batch) -> jax.Array:
+    def row_weights(self, batch: Batch) -> jax.Array:
+        """`[B]` 1 for a row with an attended token, 0 for an all-padding row."""
         mask = bert.attention_mask_from(jnp.asarray(batch["input_ids"]),
                                         None if "attention_mask" not in batch
                                         else jnp.asarray(batch["attention_mask"]))
@@ -218,16 +286,23 @@ class EncoderClassifierModel(BaseModel):
     def task_weights(self, batch: Batch) -> jax.Array:
         """`[T]` number of (non-padding) rows of each task."""
         self._check_batch(batch)
-        return segment_sum_by_task(self._row_weights(batch), batch["task_id"], self.num_tasks)
+        return segment_sum_by_task(self.row_weights(batch), batch["task_id"], self.num_tasks)
 
     def loss_sums(
         self, params: Any, batch: Batch, rng: jax.Array | None, train: bool
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         self._check_batch(batch)
-        logits = self.logits(params, batch, rng, train)
+        params = stop_frozen_gradients(params, self.frozen_patterns)
+        return self.loss_sums_from_logits(self.logits(params, batch, rng, train), batch)
+
+    def loss_sums_from_logits(
+        self, logits: Sequence[jax.Array], batch: Batch
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`loss_sums` given the `T` logits `[B, n_t]` of `batch` (`self.logits`)."""
+        self._check_batch(batch)
         label = jnp.asarray(batch["label"], jnp.float32)
         task_id = jnp.asarray(batch["task_id"], jnp.int32)
-        weight = self._row_weights(batch)
+        weight = self.row_weights(batch)
         loss = jnp.zeros_like(label)
         correct = jnp.zeros_like(label)
         squared = jnp.zeros_like(label)

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 
 from ktx.conditioning.task_embedding import gather_by_task
 from ktx.models import bert, encoder
-from ktx.models.base import Batch, row_keys
+from ktx.models.base import Batch
 from ktx.partitioning import (
     BATCH,
     EMBED,
@@ -238,6 +238,7 @@ class ConditionedBertClassifier(nn.Module):
     num_labels: tuple[int, ...] = (2,)
     classifier_dropout: float = 0.1
     conditioning: nn.Module | None = None
+    num_shared_layers: int = 0
 
     def setup(self):
         c = self.config
@@ -254,10 +255,13 @@ class ConditionedBertClassifier(nn.Module):
         self.pooler = bert.DenseGeneral((c.hidden_size,), (EMBED, MLP), (MLP,), dtype=dtype)
         self.head_dropout = nn.Dropout(self.classifier_dropout)
         self.task_heads = encoder.TaskHeads(tuple(self.num_labels), dtype)
+        self.shared_layers = (bert.SharedTopLayers(c, self.num_shared_layers)
+                              if self.num_shared_layers else None)
 
     def encode(self, input_ids: Array, token_type_ids: Array | None = None,
                attention_mask: Array | None = None, task_id: Array | None = None, *,
-               deterministic: bool = True) -> tuple[tuple[Array, ...], Array]:
+               deterministic: bool = True,
+               embedding_perturbation: Array | None = None) -> tuple[tuple[Array, ...], Array]:
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(
                 f"input_ids: shape {input_ids.shape} dtype {input_ids.dtype}; accepted: int [B, L]")
@@ -275,20 +279,24 @@ class ConditionedBertClassifier(nn.Module):
         mask = bert.attention_mask_from(input_ids, attention_mask)
         cond = self.conditioning
         offset = None if cond is None else cond.input_offset(task_id)
-        x = self.embeddings(input_ids, token_type_ids, deterministic, offset)
+        x = bert.add_perturbation(self.embeddings(input_ids, token_type_ids, deterministic, offset),
+                                  embedding_perturbation)
         outputs = []
         for i, layer in enumerate(self.layers):
             hooks = LayerHooks() if cond is None else cond.layer_hooks(i, x, mask, task_id,
                                                                        deterministic)
             x = layer(x, mask, deterministic, hooks)
             outputs.append(x)
+        if self.shared_layers is not None:
+            x = self.shared_layers(x, mask, deterministic)
         pooled = jnp.tanh(self.pooler(x[:, 0]))
         return tuple(outputs), pooled
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, task_id=None, *,
-                 deterministic: bool = True) -> tuple[Array, ...]:
+                 deterministic: bool = True, embedding_perturbation=None) -> tuple[Array, ...]:
         _, pooled = self.encode(input_ids, token_type_ids, attention_mask, task_id,
-                                deterministic=deterministic)
+                                deterministic=deterministic,
+                                embedding_perturbation=embedding_perturbation)
         return self.task_heads(self.head_dropout(pooled, deterministic=deterministic))
 
 
@@ -299,13 +307,16 @@ class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
 
     def __init__(self, config: bert.BertConfig | None = None, *,
                  num_labels: int | Sequence[int] = (2,), num_tasks: int | None = None,
-                 classifier_dropout: float | None = None, loss_normalization: str = "global"):
+                 classifier_dropout: float | None = None, loss_normalization: str = "global",
+                 shared_layers: int = 0, frozen_layers: int | str = 0):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
-                         loss_normalization=loss_normalization)
+                         loss_normalization=loss_normalization, shared_layers=shared_layers,
+                         frozen_layers=frozen_layers)
         self.module = ConditionedBertClassifier(
             config=self.config, num_labels=self.num_labels,
-            classifier_dropout=self.classifier_dropout, conditioning=self._conditioning())
+            classifier_dropout=self.classifier_dropout, conditioning=self._conditioning(),
+            num_shared_layers=self.shared_layers)
 
     def _conditioning(self) -> nn.Module | None:
         return None
@@ -316,26 +327,14 @@ class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
                                 deterministic=True)
 
     def logits(self, params: Any, batch: Batch, rng: jax.Array | None = None,
-               train: bool = False) -> tuple[jax.Array, ...]:
+               train: bool = False, *,
+               embedding_perturbation: Array | None = None) -> tuple[jax.Array, ...]:
         """`T` float32 logits `[B, n_t]` (every head on every row; each row's encoder
-        conditioned by its own `task_id`)."""
+        conditioned by its own `task_id`; dropout keyed per row, as EncoderClassifierModel;
+        `embedding_perturbation` `[B, L, E]` joins the embedding output)."""
         self._check_batch(batch, ("input_ids", "task_id"))
         features = {k: jnp.asarray(batch[k], jnp.int32) for k in _FEATURES if k in batch}
-        c = self.config
-        dropout = train and (c.dropout_rate > 0 or c.attention_dropout_rate > 0
-                             or self.classifier_dropout > 0)
-        if not dropout:
-            return self.module.apply({"params": params}, **features, deterministic=True)
-        if rng is None:
-            raise ValueError("train=True with dropout needs an rng")
-
-        def one(row, key):  # dropout keyed per example, as EncoderClassifierModel
-            row = {k: v[None] for k, v in row.items()}
-            out = self.module.apply({"params": params}, **row, deterministic=False,
-                                    rngs={"dropout": key})
-            return tuple(o[0] for o in out)
-
-        return jax.vmap(one)(features, row_keys(rng, batch))
+        return self._apply(params, features, batch, rng, train, embedding_perturbation)
 
     def encode(self, params: Any, batch: Batch) -> tuple[tuple[Array, ...], Array]:
         """Deterministic `(every layer's output [B, L, E], pooled [B, E])` of `batch`."""
@@ -431,13 +430,16 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
       pals_size: the projected width `A` (d_s; 204 in the paper for BERT-Base).
       pals_heads: heads of each PAL's attention (6 in the paper); must divide `pals_size`.
       pal_layers: indices of the layers with a PAL (default None: every layer).
+      shared_layers, frozen_layers: as `encoder.EncoderClassifierModel` (frozen layers
+        keep their PALs trainable).
     """
 
     def __init__(self, config: bert.BertConfig | None = None, *,
                  num_labels: int | Sequence[int] = (2,), num_tasks: int | None = None,
                  classifier_dropout: float | None = None, loss_normalization: str = "global",
                  pals_size: int = 204, pals_heads: int = 6,
-                 pal_layers: Sequence[int] | None = None):
+                 pal_layers: Sequence[int] | None = None, shared_layers: int = 0,
+                 frozen_layers: int | str = 0):
         _check_int("PalsClassifierModel", "pals_size", pals_size)
         _check_int("PalsClassifierModel", "pals_heads", pals_heads)
         if pals_size % pals_heads:
@@ -447,7 +449,8 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
         self._pal_layers = pal_layers
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
-                         loss_normalization=loss_normalization)
+                         loss_normalization=loss_normalization, shared_layers=shared_layers,
+                         frozen_layers=frozen_layers)
 
     def _conditioning(self) -> nn.Module:
         c = self.config
@@ -460,4 +463,5 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
         return (f"PalsClassifierModel(config={self.config}, num_labels={self.num_labels}, "
                 f"classifier_dropout={self.classifier_dropout}, "
                 f"loss_normalization={self.loss_normalization!r}, pals_size={self.pals_size}, "
-                f"pals_heads={self.pals_heads}, pal_layers={self.pal_layers})")
+                f"pals_heads={self.pals_heads}, pal_layers={self.pal_layers}, "
+                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r})")

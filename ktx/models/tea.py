@@ -142,13 +142,16 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
         every layer); the others are task-shared. Must be None with `input`.
       task_embedding_dim: `d`, the size of `z_t` (`projected*` only).
       activation: `projected_act`'s nonlinearity, one of `TEA_ACTIVATIONS`.
+      shared_layers, frozen_layers: as `encoder.EncoderClassifierModel` (frozen layers
+        keep their task embeddings trainable).
     """
 
     def __init__(self, config: bert.BertConfig | None = None, *,
                  num_labels: int | Sequence[int] = (2,), num_tasks: int | None = None,
                  classifier_dropout: float | None = None, loss_normalization: str = "global",
                  injection: str = "qkv", task_layers: Sequence[int] | None = None,
-                 task_embedding_dim: int = 32, activation: str = "tanh"):
+                 task_embedding_dim: int = 32, activation: str = "tanh",
+                 shared_layers: int = 0, frozen_layers: int | str = 0):
         if injection not in INJECTIONS:
             raise ValueError(f"TeaClassifierModel.injection={injection!r}; accepted: {INJECTIONS}")
         if injection == "input" and task_layers is not None:
@@ -166,7 +169,8 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
         self._task_layers = task_layers
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
-                         loss_normalization=loss_normalization)
+                         loss_normalization=loss_normalization, shared_layers=shared_layers,
+                         frozen_layers=frozen_layers)
 
     def _conditioning(self) -> nn.Module:
         c = self.config
@@ -181,5 +185,6 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
                 f"classifier_dropout={self.classifier_dropout}, "
                 f"loss_normalization={self.loss_normalization!r}, injection={self.injection!r}, "
                 f"task_layers={self.task_layers}, task_embedding_dim={self.task_embedding_dim}, "
-                f"activation={self.activation!r})")
+                f"activation={self.activation!r}, shared_layers={self.shared_layers}, "
+                f"frozen_layers={self.frozen_layers!r})")
 
