@@ -76,7 +76,9 @@ def test_transformers_reads_the_export(tmp_path):
     with torch.no_grad():
         logits = model(**{k: torch.tensor(v) for k, v in inputs.items()}).logits.numpy()
     expected = np.load(folder / "expected.npz")["logits"]
-    np.testing.assert_array_equal(logits, expected)
+    # Another transformers / torch build than the fixture's: float32 rounding only (the
+    # fixtures README: independent float32 implementations agree to about 1e-5).
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
 
 
 def test_t5x_import_exports_the_hf_weights(tmp_path):
