@@ -50,6 +50,8 @@ import tensorflow as tf
 from ktx.data import biomed_sources
 from ktx.data import files
 from ktx.metrics import biomed as biomed_metrics
+from ktx.metrics.biomed import postprocess_mentions, postprocess_nli_label, postprocess_ranking
+from ktx.metrics.glue import accuracy
 from ktx.tasks import config
 
 __all__ = [
@@ -442,52 +444,6 @@ def ranking_text(x: Mapping[str, tf.Tensor], prefix: str) -> dict[str, tf.Tensor
     return out
 
 
-# ----------------------------------------------------------------------------- postprocessors
-
-
-def postprocess_mentions(output: str, example=None, is_target: bool = False) -> list[str]:
-    """Generated (or target) text -> mention strings (see `parse_mentions`)."""
-    del example, is_target
-    return biomed_metrics.parse_mentions(output)
-
-
-def postprocess_nli_label(output: str, example=None, is_target: bool = False) -> str:
-    """The label name, or "invalid" for text that is no label (scored as wrong)."""
-    del example, is_target
-    label = output.strip()
-    return label if label in biomed_sources.NLI_LABELS else "invalid"
-
-
-def _as_str(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        value = value.item()
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def postprocess_ranking(output: str, example=None, is_target: bool = False):
-    """Targets -> {"question_id", "answer_id", "correct", "score"} from the example;
-    predictions -> the float score, or -1.0 (below every target) for unparseable text."""
-    if is_target:
-        if example is None:
-            raise ValueError("postprocess_ranking(is_target=True) needs the example (question id)")
-        return {
-            "question_id": _as_str(example["question_id"]),
-            "answer_id": _as_str(example["answer_id"]),
-            "correct": int(example["reference_score"]) >= biomed_metrics.CORRECT_MIN_REFERENCE_SCORE,
-            "score": float(output),
-        }
-    try:
-        return float(output.strip())
-    except ValueError:
-        return -1.0
-
-
-def _nli_accuracy(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
-    if len(targets) != len(predictions) or not targets:
-        raise ValueError(f"{len(targets)} targets, {len(predictions)} predictions; need equal, > 0")
-    return {"accuracy": 100 * float(np.mean([t == p for t, p in zip(targets, predictions)]))}
-
-
 _TOKENIZE = [
     seqio.preprocessors.tokenize,
     seqio.CacheDatasetPlaceholder(),
@@ -540,7 +496,7 @@ def add_mednli_task(
         preprocessors=[functools.partial(nli_text, prefix="mednli"), *_TOKENIZE],
         output_features=output_features or config.t5_output_features(),
         postprocess_fn=postprocess_nli_label,
-        metric_fns=[_nli_accuracy],
+        metric_fns=[accuracy],
     )
 
 

@@ -23,6 +23,8 @@ import re
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "MENTION_SEPARATOR",
     "NO_MENTION",
@@ -36,6 +38,9 @@ __all__ = [
     "ner_mention_metrics",
     "answer_ranking_metrics",
     "ranking_target_score",
+    "postprocess_mentions",
+    "postprocess_nli_label",
+    "postprocess_ranking",
 ]
 
 MENTION_SEPARATOR = " | "
@@ -254,3 +259,45 @@ def answer_ranking_metrics(
         "mrr": 100 * sum(reciprocal_ranks) / len(reciprocal_ranks),
         "precision": 100 * true_positive / predicted_positive if predicted_positive else 0.0,
     }
+
+
+# ----------------------------------------------------------------------------- postprocessors (SeqIO)
+
+
+def postprocess_mentions(output: str, example=None, is_target: bool = False) -> list[str]:
+    """Generated (or target) text -> mention strings (see `parse_mentions`)."""
+    del example, is_target
+    return parse_mentions(output)
+
+
+def postprocess_nli_label(output: str, example=None, is_target: bool = False) -> str:
+    """The label name, or "invalid" for text that is no label (scored as wrong)."""
+    from ktx.data.biomed_sources import NLI_LABELS  # the data module imports this one
+
+    del example, is_target
+    label = output.strip()
+    return label if label in NLI_LABELS else "invalid"
+
+
+def _as_str(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        value = value.item()
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def postprocess_ranking(output: str, example=None, is_target: bool = False):
+    """Targets -> {"question_id", "answer_id", "correct", "score"} from the example;
+    predictions -> the float score, or -1.0 (below every target) for unparseable text."""
+    if is_target:
+        if example is None:
+            raise ValueError("postprocess_ranking(is_target=True) needs the example (question id)")
+        return {
+            "question_id": _as_str(example["question_id"]),
+            "answer_id": _as_str(example["answer_id"]),
+            "correct": int(example["reference_score"]) >= CORRECT_MIN_REFERENCE_SCORE,
+            "score": float(output),
+        }
+    try:
+        return float(output.strip())
+    except ValueError:
+        return -1.0

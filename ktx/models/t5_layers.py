@@ -362,3 +362,27 @@ class MultiHeadAttention(nn.Module):
 # ------------------------------------------------------------------------------------
 # Masks.
 # ------------------------------------------------------------------------------------
+
+
+def _attention_mask(
+    query_valid: Array,
+    key_valid: Array,
+    query_segments: Array | None = None,
+    key_segments: Array | None = None,
+    key_always_visible: Array | None = None,
+    causal: bool = False,
+) -> Array:
+    """`[B, 1, Lq, Lk]` float mask (1 = attend) from `[B, L]` validity/segment arrays.
+
+    `key_always_visible` `[B, Lk]` marks keys any valid query may see (prompts).
+    """
+    mask = query_valid[:, :, None] & key_valid[:, None, :]
+    if query_segments is not None:
+        same = query_segments[:, :, None] == key_segments[:, None, :]
+        if key_always_visible is not None:
+            same = same | key_always_visible[:, None, :]
+        mask = mask & same
+    if causal:
+        lq, lk = query_valid.shape[1], key_valid.shape[1]
+        mask = mask & (jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None])[None]
+    return mask[:, None].astype(jnp.float32)
