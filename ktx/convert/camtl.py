@@ -45,7 +45,6 @@ tensor, its shape and the expected one.
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 from collections.abc import Mapping
@@ -54,6 +53,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ktx.convert import layout
+from ktx.convert.hf_bert import bert_config_gin
 from ktx.convert.safetensors_io import read_safetensors
 from ktx.models import camtl as camtl_lib
 from ktx.models.bert import HIDDEN_ACTS, BertConfig
@@ -232,22 +232,6 @@ def camtl_tensor_shapes(config: CaMtlCheckpointConfig) -> dict[str, tuple[int, .
     return {name: _torch_shape(path, shapes, t) for name, (path, t) in _mapping(config).items()}
 
 
-def _read_config(path: pathlib.Path) -> tuple[pathlib.Path, Mapping[str, Any]]:
-    for name in CONFIG_FILES:
-        file = path / name
-        if file.is_file():
-            try:
-                values = json.loads(file.read_text())
-            except ValueError as e:
-                raise ValueError(f"{file}: not valid JSON ({e})") from e
-            if name == "reference.json":
-                if not isinstance(values, Mapping) or not isinstance(values.get("config"), Mapping):
-                    raise ValueError(f"{file}: has no 'config' object")
-                values = values["config"]
-            return file, values
-    raise FileNotFoundError(f"{path}: no {' or '.join(CONFIG_FILES)} (the CA-MTL config)")
-
-
 def read_camtl(path: Any) -> CaMtlImported:
     """Reads an authors' CA-MTL checkpoint directory into ktx parameters.
 
@@ -263,7 +247,7 @@ def read_camtl(path: Any) -> CaMtlImported:
         pickles = sorted(p.name for p in path.glob("*.bin"))
         hint = f" ({pickles} are pickles, never loaded: save them as safetensors)" if pickles else ""
         raise FileNotFoundError(f"{path}: no {' or '.join(WEIGHT_FILES)}{hint}")
-    config_file, values = _read_config(path)
+    values, config_file = layout.read_config_file(path, CONFIG_FILES, "CA-MTL config")
     tensors = read_safetensors(weights)
     inferred = "large" if any(n.startswith("bert.encoder.adapter_layer.") for n in tensors) else "base"
     config = config_from_dict(values, variant=inferred, where=str(config_file))
@@ -337,17 +321,4 @@ camtl.CaMtlConfig:
   max_seq_length = %MAX_SEQ_LENGTH
   layer_norm_form = {o.layer_norm_form!r}
 
-bert.BertConfig:
-  vocab_size = %VOCAB_SIZE
-  hidden_size = {c.hidden_size}
-  num_layers = {c.num_layers}
-  num_heads = {c.num_heads}
-  intermediate_size = {c.intermediate_size}
-  max_position = {c.max_position}
-  type_vocab_size = {c.type_vocab_size}
-  hidden_act = {c.hidden_act!r}
-  layer_norm_eps = {float(c.layer_norm_eps)!r}
-  dropout_rate = %DROPOUT_RATE
-  attention_dropout_rate = {float(c.attention_dropout_rate)!r}
-  dtype = %ACTIVATION_DTYPE
-"""
+{bert_config_gin(c)}"""

@@ -269,6 +269,25 @@ def check_params(flat: Mapping[str, Any], config: BertConfig, *, where: str) -> 
         raise ValueError(f"{where}: the parameters do not match {config}:\n" + "\n".join(lines))
 
 
+def bert_config_gin(config: BertConfig) -> str:
+    """The `bert.BertConfig` bindings of `config`'s shape (vocabulary, dropout and dtype
+    left to the macros VOCAB_SIZE, DROPOUT_RATE and ACTIVATION_DTYPE), for model.gin files."""
+    return f"""bert.BertConfig:
+  vocab_size = %VOCAB_SIZE
+  hidden_size = {config.hidden_size}
+  num_layers = {config.num_layers}
+  num_heads = {config.num_heads}
+  intermediate_size = {config.intermediate_size}
+  max_position = {config.max_position}
+  type_vocab_size = {config.type_vocab_size}
+  hidden_act = {config.hidden_act!r}
+  layer_norm_eps = {float(config.layer_norm_eps)!r}
+  dropout_rate = %DROPOUT_RATE
+  attention_dropout_rate = {float(config.attention_dropout_rate)!r}
+  dtype = %ACTIVATION_DTYPE
+"""
+
+
 def model_gin(config: BertConfig, source: str = "") -> str:
     """A gin model file (the layout of gin/models/bert_base.gin) binding MODEL to an
     `EncoderClassifierModel` of `config`'s shape."""
@@ -294,17 +313,4 @@ encoder.EncoderClassifierModel:
   num_labels = %NUM_LABELS
   loss_normalization = %LOSS_NORMALIZATION
 
-bert.BertConfig:
-  vocab_size = %VOCAB_SIZE
-  hidden_size = {config.hidden_size}
-  num_layers = {config.num_layers}
-  num_heads = {config.num_heads}
-  intermediate_size = {config.intermediate_size}
-  max_position = {config.max_position}
-  type_vocab_size = {config.type_vocab_size}
-  hidden_act = {config.hidden_act!r}
-  layer_norm_eps = {float(config.layer_norm_eps)!r}
-  dropout_rate = %DROPOUT_RATE
-  attention_dropout_rate = {float(config.attention_dropout_rate)!r}
-  dtype = %ACTIVATION_DTYPE
-"""
+{bert_config_gin(config)}"""

@@ -12,6 +12,8 @@ with it and names every missing, unexpected or mis-shaped tensor.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +22,7 @@ import numpy as np
 from ktx.models.t5 import T5Config
 
 __all__ = [
+    "read_config_file",
     "flatten",
     "unflatten",
     "expected_shapes",
@@ -204,3 +207,27 @@ def tensor_mismatches(
     lines += [f"  tensor {name} {list(tensors[name].shape)} is not part of this model"
               for name in tensors if name not in expected]
     return lines
+
+
+def read_config_file(path: pathlib.Path, names: tuple[str, ...], what: str
+                     ) -> tuple[dict[str, Any], pathlib.Path]:
+    """`(config values, file)` from the first of `names` in folder `path`; in a
+    `reference.json` (the shared fixtures' layout) the values are its `config` object.
+
+    Raises FileNotFoundError naming `what` and the names looked for, or ValueError naming
+    a file that is not JSON or a reference.json without a `config` object.
+    """
+    for name in names:
+        file = path / name
+        if file.is_file():
+            try:
+                values = json.loads(file.read_text())
+            except ValueError as e:
+                raise ValueError(f"{file}: not valid JSON ({e})") from e
+            if name == "reference.json":
+                values = values.get("config") if isinstance(values, Mapping) else None
+                if not isinstance(values, Mapping):
+                    raise ValueError(f"{file}: no 'config' object (the fixture layout)")
+            return dict(values), file
+    raise FileNotFoundError(f"{path}: no {what}; looked for {list(names)}")
+

@@ -34,7 +34,6 @@ shape) is a ValueError naming every offending tensor with its shape and the expe
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -158,22 +157,6 @@ def expected_tensor_shapes(config: BertConfig, pals_size: int,
     return {k: v[2] for k, v in _mapping(config, pals_size, num_labels).items()}
 
 
-def _read_config(path: pathlib.Path) -> tuple[dict[str, Any], pathlib.Path]:
-    for name in _CONFIG_FILES:
-        f = path / name
-        if f.is_file():
-            try:
-                values = json.loads(f.read_text())
-            except ValueError as e:
-                raise ValueError(f"{f}: not valid JSON ({e})") from e
-            if name == "reference.json":
-                values = values.get("config")
-                if not isinstance(values, dict):
-                    raise ValueError(f"{f}: no 'config' object (the fixture layout)")
-            return values, f
-    raise FileNotFoundError(f"{path}: no PALs config; looked for {list(_CONFIG_FILES)}")
-
-
 def _weights_file(path: pathlib.Path) -> pathlib.Path:
     for name in _WEIGHT_FILES:
         if (path / name).is_file():
@@ -200,7 +183,7 @@ def read_pals(path: str | os.PathLike) -> PalsImported:
     path = pathlib.Path(path).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"PALs checkpoint directory {str(path)!r} does not exist")
-    values, config_file = _read_config(path)
+    values, config_file = layout.read_config_file(path, _CONFIG_FILES, "PALs config")
     config, aug = pals_config_from_authors(values, where=str(config_file))
     weights_file = _weights_file(path)
     tensors = dict(read_safetensors(weights_file))
