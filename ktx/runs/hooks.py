@@ -245,7 +245,7 @@ def merge_results(named: Sequence[tuple[str, Mapping[str, Mapping[str, float]]]]
         for task, metrics in results.items():
             row = merged.setdefault(task, {})
             for metric, value in metrics.items():
-                if metric in row and (task, metric) in source:
+                if (task, metric) in source:
                     raise ValueError(
                         f"evaluators {source[task, metric]!r} and {name!r} both report "
                         f"{task}/{metric}; give one of them another split or metric name")
