@@ -44,6 +44,7 @@ import numpy as np
 
 from ktx.convert import layout
 from ktx.convert.hf_t5 import read_hf_config, read_hf_tensors
+from ktx.convert.lazy import materialize
 from ktx.models.bert import HIDDEN_ACTS, BertConfig, BertEncoder
 
 __all__ = [
@@ -199,7 +200,7 @@ def is_hf_bert(path: str | os.PathLike) -> bool:
         return False
 
 
-def read_hf_bert(path: str | os.PathLike) -> BertImported:
+def read_hf_bert(path: str | os.PathLike, *, lazy: bool = False) -> BertImported:
     """Reads a Hugging Face BERT directory into ktx `BertEncoder` parameters.
 
     Raises FileNotFoundError (missing directory, config.json or weights) or ValueError
@@ -243,10 +244,9 @@ def read_hf_bert(path: str | os.PathLike) -> BertImported:
     shapes = expected_shapes(config)
     flat = {}
     for name, (p, transpose) in _mapping(config).items():
-        if name in tensors:
-            a = np.asarray(tensors[name], np.float32)
-            flat[p] = np.ascontiguousarray((a.T if transpose else a).reshape(shapes[p]))
-    return BertImported(config, layout.unflatten(flat), f"hf:{path}")
+        if name in tensors:  # LazyArrays: read region by region when placed
+            flat[p] = tensors[name].convert(transpose=transpose, shape=shapes[p])
+    return BertImported(config, layout.unflatten(materialize(flat, lazy)), f"hf:{path}")
 
 
 def config_to_dict(config: BertConfig) -> dict[str, Any]:

@@ -42,7 +42,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ktx.convert import layout
-from ktx.convert.safetensors_io import read_safetensors, write_safetensors
+from ktx.convert.lazy import LazyArray, materialize
+from ktx.convert.safetensors_io import lazy_safetensors, write_safetensors
 from ktx.models.t5 import T5Config
 
 __all__ = [
@@ -253,7 +254,10 @@ def hf_tensor_names(config: T5Config) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _to_ktx(array: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+def _to_ktx(array: np.ndarray | LazyArray, kind: str, shape: tuple[int, ...]
+            ) -> np.ndarray | LazyArray:
+    if isinstance(array, LazyArray):  # converted region by region when placed
+        return array.convert(transpose=kind != "copy", shape=shape)
     a = np.asarray(array, np.float32)
     if kind != "copy":
         a = a.T
@@ -302,32 +306,34 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     )
 
 
-def read_hf_tensors(path: pathlib.Path) -> Mapping[str, np.ndarray]:
+def read_hf_tensors(path: pathlib.Path) -> Mapping[str, LazyArray]:
     """Every tensor of a Hugging Face directory's safetensors weights (one file or an
-    index of shards); a pickle-only directory is refused."""
+    index of shards) as `LazyArray`s (nothing is read until indexed); a pickle-only
+    directory is refused."""
     files = _weight_files(path)
     if "" in files:
-        return read_safetensors(files[""])
-    tensors: dict[str, np.ndarray] = {}
-    opened: dict[pathlib.Path, dict[str, np.ndarray]] = {}
+        return lazy_safetensors(files[""])
+    tensors: dict[str, LazyArray] = {}
+    opened: dict[pathlib.Path, Mapping[str, LazyArray]] = {}
     for name, file in files.items():
         if file not in opened:
-            opened[file] = read_safetensors(file)
+            opened[file] = lazy_safetensors(file)
         if name not in opened[file]:
             raise ValueError(f"{file}: tensor {name!r} listed by model.safetensors.index.json is absent")
         tensors[name] = opened[file][name]
     return tensors
 
 
-def read_hf_t5(path: str | os.PathLike) -> Imported:
-    """Reads a Hugging Face T5 / T5.1.1 / mT5 directory into ktx parameters.
+def read_hf_t5(path: str | os.PathLike, *, lazy: bool = False) -> Imported:
+    """Reads a Hugging Face T5 / T5.1.1 / mT5 directory into ktx parameters (numpy
+    float32; `lazy=True`: `ktx.convert.lazy.LazyArray`s, read when placed).
 
     Raises FileNotFoundError (missing directory, config.json or weights) or ValueError
     (unsupported config, a pickle-only directory, a truncated file, a tensor missing,
     unexpected or of the wrong shape — named with its shape and the expected one).
     """
     path, config_file, values = read_hf_config(path, "T5")
-    tensors = read_hf_tensors(path)
+    tensors = dict(read_hf_tensors(path))
     shared = tensors.get("shared.weight")
     # Files converted from pytorch_model.bin may carry copies of the shared embedding, and
     # a tied checkpoint may store lm_head.weight as one.
@@ -353,7 +359,7 @@ def read_hf_t5(path: str | os.PathLike) -> Imported:
     shapes = layout.expected_shapes(config)
     flat = {p: _to_ktx(tensors[name], kind, shapes[p]) for name, (p, kind) in _mapping(config).items()}
     layout.check_params(flat, config, where=str(path))
-    return Imported(config, layout.unflatten(flat), f"hf:{path}")
+    return Imported(config, layout.unflatten(materialize(flat, lazy)), f"hf:{path}")
 
 
 def write_hf_t5(params: Mapping[str, Any], config: T5Config, path: str | os.PathLike) -> pathlib.Path:

@@ -57,9 +57,11 @@ def is_source(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike)) and _split(path)[0] is not None
 
 
-def load_source(source: str | os.PathLike) -> Imported:
+def load_source(source: str | os.PathLike, *, lazy: bool = False) -> Imported:
     """Reads `hf:DIR` (Hugging Face T5 or, by config.json's `model_type`, BERT directory:
-    `ktx.convert.hf_bert.BertImported`) or `t5x:DIR` (T5X checkpoint)."""
+    `ktx.convert.hf_bert.BertImported`) or `t5x:DIR` (T5X checkpoint). `lazy=True`: the
+    Hugging Face and T5X parameters are `ktx.convert.lazy.LazyArray`s, read shard by shard
+    when placed (`ktx.convert.lazy.place`)."""
     prefix, path = _split(source)
     if prefix is None:
         raise ValueError(
@@ -74,8 +76,8 @@ def load_source(source: str | os.PathLike) -> Imported:
 
         return read_camtl(path)
     if prefix == "hf" and is_hf_bert(path):  # config.json's model_type picks the reader
-        return read_hf_bert(path)
-    return read_hf_t5(path) if prefix == "hf" else read_t5x(path)
+        return read_hf_bert(path, lazy=lazy)
+    return read_hf_t5(path, lazy=lazy) if prefix == "hf" else read_t5x(path, lazy=lazy)
 
 
 def model_gin(config: T5Config, source: str = "") -> str:

@@ -13,6 +13,8 @@ of heads is read from the relative position table `[H, buckets]`. The checkpoint
 model config: the sizes come from the shapes, the MLP activations from the kernel names
 (`wi_0`/`wi_1`: T5.1.1's gated GELU; `wi`: original T5's ReLU; `mlp_activations=`
 overrides). Only the parameters (`optimizer/target`) are read; the optimizer state is not.
+Nothing is read until a parameter is placed: the arrays are `ktx.convert.lazy.LazyArray`s
+over the TensorStore folders, read shard by shard.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from ktx.convert import layout
 from ktx.convert.hf_t5 import Imported
+from ktx.convert.lazy import LazyArray, materialize
 
 __all__ = ["read_t5x", "resolve_t5x_checkpoint"]
 
@@ -57,9 +60,11 @@ def _is_spec(value: Any) -> bool:
     return isinstance(value, Mapping) and "driver" in value and "kvstore" in value
 
 
-def _read_array(step_dir: pathlib.Path, name: str, value: Any) -> np.ndarray:
+def _lazy_array(step_dir: pathlib.Path, name: str, value: Any) -> LazyArray:
+    """The array `name` of a T5X step directory (inline in the msgpack, or a TensorStore
+    spec) as a LazyArray: TensorStore arrays are read region by region when indexed."""
     if not _is_spec(value):
-        return np.asarray(value)
+        return LazyArray.of(np.asarray(value), name)
     import tensorstore as ts
 
     kvstore = dict(value["kvstore"])
@@ -74,14 +79,23 @@ def _read_array(step_dir: pathlib.Path, name: str, value: Any) -> np.ndarray:
         raise FileNotFoundError(f"{step_dir}: the array folder of {name} ({folder}) does not exist")
     spec = {"driver": value["driver"], "kvstore": {"driver": "file", "path": str(folder)}}
     try:
-        return np.asarray(ts.open(spec, open=True, read=True).result().read().result())
+        store = ts.open(spec, open=True, read=True).result()
     except Exception as e:  # noqa: BLE001 - tensorstore raises its own error types
-        raise ValueError(f"{step_dir}: cannot read {name} from {folder}: {e}") from e
+        raise ValueError(f"{step_dir}: cannot open {name} in {folder}: {e}") from e
+
+    def read(region: tuple[slice, ...]) -> np.ndarray:
+        try:
+            return np.asarray(store[region].read().result())
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{step_dir}: cannot read {name} from {folder}: {e}") from e
+
+    return LazyArray(read, tuple(store.shape), store.dtype.numpy_dtype, name=name)
 
 
 def read_t5x(path: str | os.PathLike, *, mlp_activations: tuple[str, ...] | None = None,
-             relative_attention_max_distance: int = 128) -> Imported:
-    """Reads the parameters of a T5X T5 / T5.1.1 checkpoint into ktx parameters.
+             relative_attention_max_distance: int = 128, lazy: bool = False) -> Imported:
+    """Reads the parameters of a T5X T5 / T5.1.1 checkpoint into ktx parameters (numpy
+    float32; `lazy=True`: `ktx.convert.lazy.LazyArray`s, read when placed).
 
     Raises FileNotFoundError (no such checkpoint, a missing array folder) or ValueError
     (not msgpack, not a T5 encoder-decoder — naming the parameters that do not fit).
@@ -111,22 +125,25 @@ def read_t5x(path: str | os.PathLike, *, mlp_activations: tuple[str, ...] | None
             f"encoder/relpos_bias/rel_embedding among its {len(flat)} parameters "
             f"(e.g. {sorted(flat)[:6]})"
         )
-    arrays = {p: np.asarray(_read_array(step_dir, p, v), np.float32) for p, v in flat.items()}
-    heads = arrays["encoder/relpos_bias/rel_embedding"].shape[0]
-    for p, a in list(arrays.items()):
+    sources = {p: _lazy_array(step_dir, p, v) for p, v in flat.items()}
+    heads = sources["encoder/relpos_bias/rel_embedding"].shape[0]
+    arrays = {}
+    for p, a in sources.items():
+        shape = a.shape
         if re.search(r"(attention|encoder_decoder_attention)/(query|key|value)/kernel$", p) and a.ndim == 2:
             if a.shape[1] % heads:
                 raise ValueError(f"{where}: {p} has shape {list(a.shape)}, not divisible into {heads} heads")
-            arrays[p] = a.reshape(a.shape[0], heads, a.shape[1] // heads)
+            shape = (a.shape[0], heads, a.shape[1] // heads)
         elif re.search(r"attention/out/kernel$", p) and a.ndim == 2:
             if a.shape[0] % heads:
                 raise ValueError(f"{where}: {p} has shape {list(a.shape)}, not divisible into {heads} heads")
-            arrays[p] = a.reshape(heads, a.shape[0] // heads, a.shape[1])
+            shape = (heads, a.shape[0] // heads, a.shape[1])
+        arrays[p] = a.convert(shape=shape)  # float32, read region by region when placed
     config = layout.config_from_params(
         arrays, mlp_activations=mlp_activations,
         relative_attention_max_distance=relative_attention_max_distance, where=where,
     )
-    return Imported(config, layout.unflatten(arrays), f"t5x:{step_dir}")
+    return Imported(config, layout.unflatten(materialize(arrays, lazy)), f"t5x:{step_dir}")
 
 
 def _flatten_specs(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -372,12 +372,11 @@ def _load_initial_params_from_source(
     every converted tensor must be used and every model parameter outside the
     conditioning scope must be in it (a missing backbone tensor would otherwise be left
     at its random init); else CheckpointShapeError naming them."""
-    import numpy as np
-
     from ktx import convert
     from ktx.analysis.params import CONDITIONING_SCOPE
+    from ktx.convert.lazy import place
 
-    imported = convert.load_source(source)
+    imported = convert.load_source(source, lazy=True)
     flat = convert.flatten(imported.params)
     # Scopes a checkpoint may lack or a model may not use (a BERT's MLM head, pooler, task heads).
     partial = tuple(getattr(imported, "partial_scopes", ()))
@@ -396,10 +395,8 @@ def _load_initial_params_from_source(
     leaves, restored, initialized = [], [], []
     for (p, a), init in zip(flat_abstract, jax.tree.leaves(init_params)):
         name = param_path(p)
-        if name in flat:
-            sharding = getattr(a, "sharding", None)
-            value = np.asarray(flat[name], a.dtype)
-            leaves.append(jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value))
+        if name in flat:  # read shard by shard: only this process's regions
+            leaves.append(place(flat[name], getattr(a, "sharding", None), a.dtype))
             restored.append(name)
         else:
             leaves.append(init)
