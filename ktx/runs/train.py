@@ -289,13 +289,16 @@ def _restore_or_init(trainer: Trainer, run: RunDir, first_batch, seed: int,
         _log.info("resumed from %s at step %d", checkpoints.directory, step)
         print(f"Resuming from checkpoint step {step} in {checkpoints.directory}", flush=True)
         return state, step
-    state = trainer.init_state(jax.random.split(jax.random.key(seed))[0], first_batch)
-    if initial_checkpoint_path:
-        params, report = load_initial_params(initial_checkpoint_path, abstract.params, state.params)
-        print(report.summary(), flush=True)
-        state = state.replace(params=params, opt_state=jax.jit(
-            trainer.init_opt_state, out_shardings=trainer.state_shardings.opt_state)(params))
-    return state, 0
+    rng = jax.random.split(jax.random.key(seed))[0]
+    if not initial_checkpoint_path:
+        return trainer.init_state(rng, first_batch), 0
+    # Only the parameters the checkpoint lacks are initialized: no random copy of the rest.
+    params, report = load_initial_params(initial_checkpoint_path, abstract.params,
+                                         lambda names: trainer.init_params(rng, first_batch, names))
+    print(report.summary(), flush=True)
+    opt_state = jax.jit(trainer.init_opt_state, out_shardings=trainer.state_shardings.opt_state)(params)
+    step = jax.device_put(np.zeros((), np.int32), trainer.state_shardings.step)
+    return TrainState(step=step, params=params, opt_state=opt_state), 0
 
 
 def _resolve_train_steps(train_input: Any, train_steps: Any, train_epochs: Any) -> int:

@@ -324,8 +324,9 @@ def load_initial_params(
         `hf:DIR` / `t5x:DIR`: a Hugging Face or T5X T5 checkpoint converted on the fly
         (`_load_initial_params_from_source`).
       abstract_params: the model's params as ShapeDtypeStructs with shardings.
-      init_params: freshly initialized params (same tree); used where the checkpoint
-        has no such parameter.
+      init_params: freshly initialized params (same tree), used where the checkpoint
+        has no such parameter; or a function `names -> {path: array}` giving only those
+        (`Trainer.init_params`), so the restored ones are never initialized.
 
     Returns `(params, report)`. Raises CheckpointShapeError listing every parameter
     present in both with different shapes.
@@ -355,11 +356,9 @@ def load_initial_params(
         ),
     )["params"]
     restored_flat = {param_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
-    init_leaves = jax.tree.leaves(init_params)
-    leaves = [
-        restored_flat[param_path(p)] if ok else init
-        for (p, _), ok, init in zip(flat_abstract, present, init_leaves)
-    ]
+    fresh = _fresh(init_params, flat_abstract, initialized)
+    leaves = [restored_flat[param_path(p)] if ok else fresh[param_path(p)]
+              for (p, _), ok in zip(flat_abstract, present)]
     report = InitReport(str(step_dir), restored_paths, initialized, unused)
     _log.info(report.summary())
     return jax.tree.unflatten(treedef, leaves), report
@@ -392,18 +391,28 @@ def _load_initial_params_from_source(
         lines += [f"  {p}: checkpoint {saved[p]}, not in model" for p in unused]
         raise CheckpointShapeError("\n".join(lines))
     flat_abstract, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
-    leaves, restored, initialized = [], [], []
-    for (p, a), init in zip(flat_abstract, jax.tree.leaves(init_params)):
+    initialized = [param_path(p) for p, _ in flat_abstract if param_path(p) not in flat]
+    fresh = _fresh(init_params, flat_abstract, initialized)
+    leaves, restored = [], []
+    for p, a in flat_abstract:
         name = param_path(p)
         if name in flat:  # read shard by shard: only this process's regions
             leaves.append(place(flat[name], getattr(a, "sharding", None), a.dtype))
             restored.append(name)
         else:
-            leaves.append(init)
-            initialized.append(name)
+            leaves.append(fresh[name])
     report = InitReport(source, tuple(restored), tuple(initialized), ())
     _log.info(report.summary())
     return jax.tree.unflatten(treedef, leaves), report
+
+
+def _fresh(init_params: Any, flat_abstract: Sequence, names: Sequence[str]) -> dict[str, Any]:
+    """`{path: fresh value}` of the parameters `names` from `init_params` (a tree like the
+    model's params, or a function of the names)."""
+    if callable(init_params):
+        return dict(init_params(tuple(names))) if names else {}
+    leaves = jax.tree.leaves(init_params)
+    return {param_path(p): v for (p, _), v in zip(flat_abstract, leaves) if param_path(p) in set(names)}
 
 
 def _subtree(tree: Any, keep: set[str], prefix: Sequence[str] = ()) -> Any:

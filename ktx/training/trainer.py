@@ -290,6 +290,10 @@ def opt_state_shardings(
     return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
 
 
+def _flat_by_name(tree: Any) -> dict[str, Any]:
+    return {treepath.name(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _zeros_batch(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     return {k: jnp.zeros(v.shape, v.dtype) for k, v in batch.items()}
 
@@ -375,6 +379,23 @@ class Trainer:
             )
 
         return init
+
+    def init_params(self, rng: jax.Array, batch: Mapping[str, Any], names: Any) -> dict[str, jax.Array]:
+        """`{path: array}` of the freshly initialized parameters named in `names` (the
+        values `init_state(rng, batch)` would give them), sharded; the other parameters'
+        initializers are not run (XLA drops them), so a run that takes most parameters
+        from a checkpoint never holds a second, random copy of them."""
+        if self.state_shardings is None:
+            self.create_abstract_state(batch)
+        names = set(names)
+        shardings = {k: v for k, v in _flat_by_name(self.state_shardings.params).items() if k in names}
+
+        def init(r):
+            params = nn.meta.unbox(self.model.init_variables(r, _zeros_batch(batch))["params"])
+            return {k: v for k, v in _flat_by_name(params).items() if k in names}
+
+        with self._context():
+            return jax.jit(init, out_shardings=shardings)(rng)
 
     def init_opt_state(self, params: Any) -> Any:
         """The optimizer state of `params` (`TaskOptimizer.init`)."""
