@@ -245,25 +245,58 @@ class Conditioner(nn.Module):
             weights = module(layer, position)
         return weights.gather(task_id, axis=0)
 
+    def layer_inputs(self, side: str) -> dict[str, Any] | None:
+        """Per-task quantities of every layer of `side` (leading axis `[M]`), for a scanned
+        stack (`T5Config.scan_layers`): `prefix` (key, value) `[M, T, l, H, D]`,
+        `adapters` (`AdapterWeights`, lead `[M, A, T]`); None when the method adds none.
+        Computed outside the scan, as the unrolled layers compute each slice."""
+        out: dict[str, Any] = {}
+        prompts = self._module(side, "hyper_prompt")
+        if prompts is not None:
+            out["prefix"] = prompts()
+        module = self._adapter_module(side)
+        if module is not None:
+            out["adapters"] = (
+                module(self.task_embedding()) if isinstance(module, HyperFormer) else module()
+            )
+        return out or None
+
 
 class _ConditionedHooks:
-    """T5 layer hooks that ask the shared `Conditioner` for this layer's slot."""
+    """T5 layer hooks that ask the shared `Conditioner` for this layer's slot (unrolled
+    stacks), or read it from the layer's slice of `Conditioner.layer_inputs` (scanned
+    stacks: the layer holds the `conditioning` config, not the conditioner)."""
 
     side: str
 
-    def attention_prefix(self, x, task_id, *, name):
+    def attention_prefix(self, x, task_id, *, name, layer_inputs=None):
+        if layer_inputs is not None:
+            prefix = layer_inputs.get("prefix")
+            if prefix is None:
+                return None
+            return gather_by_task(prefix[0], task_id), gather_by_task(prefix[1], task_id)
         if self.conditioner is None:
             return None
         return self.conditioner.attention_prefix(self.side, self.layer_index, task_id)
 
-    def adapt(self, y, task_id, *, name, deterministic):
-        if self.conditioner is None:
+    def adapt(self, y, task_id, *, name, deterministic, layer_inputs=None):
+        conditioning = (
+            self.conditioning if self.conditioner is None else self.conditioner.conditioning
+        )
+        if conditioning is None:
             return y
-        conditioning = self.conditioner.conditioning
         position = conditioning.positions(self.side).get(name)
         if position is None:
             return y
-        weights = self.conditioner.adapter(self.side, self.layer_index, position, task_id)
+        if layer_inputs is not None:
+            weights = layer_inputs.get("adapters")
+            if weights is None:
+                return y
+            weights = weights.at(position).gather(task_id, axis=0)
+        elif self.conditioner is not None:
+            weights = self.conditioner.adapter(self.side, self.layer_index, position, task_id)
+        else:
+            return y
         if weights is None:
             return y
         return apply_adapter(y, weights, activation=conditioning.adapter_activation)
@@ -271,35 +304,43 @@ class _ConditionedHooks:
 
 class ConditionedEncoderLayer(_ConditionedHooks, t5.EncoderLayer):
     conditioner: Any = None
+    conditioning: Any = None  # scanned stacks: the ConditioningConfig
     side = "encoder"
 
 
 class ConditionedDecoderLayer(_ConditionedHooks, t5.DecoderLayer):
     conditioner: Any = None
+    conditioning: Any = None
     side = "decoder"
 
 
-class ConditionedEncoder(t5.Encoder):
-    conditioner: Any = None
+class _ConditionedStack:
+    """Hands the conditioner to unrolled layers, its per-layer outputs to a scanned stack."""
 
-    def make_layer(self, index: int) -> nn.Module:
-        return self.layer_cls(
-            config=self.config, layer_index=index, conditioner=self.conditioner,
-            name=f"layers_{index}",
-        )
+    conditioner: Any
+    side: str
+
+    def layer_fields(self) -> dict[str, Any]:
+        return {"conditioner": self.conditioner}
+
+    def scan_fields(self) -> dict[str, Any]:
+        return {"conditioning": getattr(self.conditioner, "conditioning", None)}
+
+    def layer_inputs(self, task_id):
+        return None if self.conditioner is None else self.conditioner.layer_inputs(self.side)
+
+
+class ConditionedEncoder(_ConditionedStack, t5.Encoder):
+    conditioner: Any = None
+    side = "encoder"
 
     def input_prompt(self, x, task_id):
         return None if self.conditioner is None else self.conditioner.input_prompt(task_id)
 
 
-class ConditionedDecoder(t5.Decoder):
+class ConditionedDecoder(_ConditionedStack, t5.Decoder):
     conditioner: Any = None
-
-    def make_layer(self, index: int) -> nn.Module:
-        return self.layer_cls(
-            config=self.config, layer_index=index, conditioner=self.conditioner,
-            name=f"layers_{index}",
-        )
+    side = "decoder"
 
 
 class ConditionedTransformer(t5.Transformer):

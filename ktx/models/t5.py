@@ -72,7 +72,6 @@ once with full-length `[B, Ld]` decoder inputs and `mutable=["cache"]` to create
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,8 +81,10 @@ import jax.numpy as jnp
 
 from ktx.models.t5_layers import (
     _ACTIVATIONS,
+    DecoderLayer,
     DenseGeneral,
     Embed,
+    EncoderLayer,
     MlpBlock,
     MultiHeadAttention,
     RelativePositionBiases,
@@ -91,10 +92,12 @@ from ktx.models.t5_layers import (
     _attention_mask,
     relative_position_bucket,
 )
+from ktx.models.t5_stack import REMAT_POLICIES, check_remat_policy, layer_class, run_stack
 from ktx.partitioning import BATCH, EMBED, LENGTH, VOCAB
 
 __all__ = [
     "ACTIVATION_DTYPES",
+    "REMAT_POLICIES",
     "T5Config",
     "DenseGeneral",
     "Embed",
@@ -130,6 +133,9 @@ class T5Config:
     files); T5.1.1 was pre-trained without dropout (0.0).
     `dtype` is the activation dtype ("float32" or "bfloat16"); parameters, attention
     logits, logits and the loss are float32.
+    `remat_policy` ("none" | "minimal" | "full") and `scan_layers` choose how the layer
+    stacks run (`ktx.models.t5_stack`); neither changes the numbers, `scan_layers` changes
+    the parameter layout (`ktx.models.scan_layout` converts).
     `relative_attention_max_distance` must exceed `relative_attention_num_buckets // 2`,
     the number of exact buckets of the causal decoder (the bidirectional encoder has
     `num_buckets // 4` per direction): the logarithmic buckets span the distances from
@@ -150,6 +156,8 @@ class T5Config:
     relative_attention_max_distance: int = 128
     logits_via_embedding: bool = False
     float32_attention_logits: bool = True
+    remat_policy: str = "none"
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in (
@@ -194,6 +202,10 @@ class T5Config:
         object.__setattr__(self, "mlp_activations", tuple(acts))
         if not isinstance(self.dropout_rate, (int, float)) or not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"T5Config.dropout_rate={self.dropout_rate!r}: must be in [0, 1)")
+        check_remat_policy(self.remat_policy, "T5Config.remat_policy")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(
+                f"T5Config.scan_layers={self.scan_layers!r}; accepted: True or False")
         if self.dtype not in ACTIVATION_DTYPES:
             raise ValueError(
                 f"T5Config.dtype={self.dtype!r}; accepted: {sorted(ACTIVATION_DTYPES)}"
@@ -210,122 +222,56 @@ def _check_feature(name: str, value: Array | None, shape: tuple[int, ...]) -> No
 
 
 # ------------------------------------------------------------------------------------
-# Layers and stacks (take the structural T5Config; see module docstring for hooks).
+# Stacks (take the structural T5Config; see module docstring for hooks). The layers are
+# in `ktx.models.t5_layers`; `ktx.models.t5_stack` runs them unrolled or scanned.
 # ------------------------------------------------------------------------------------
 
 
-class _LayerHooks:
-    """Default (plain T5) hooks shared by encoder and decoder layers."""
+class _LayerStack:
+    """The layer stack of an `Encoder` / `Decoder` (unrolled or scanned, `t5_stack`)."""
 
     config: T5Config
+    layer_cls: type
+    _STATIC_ARGNUMS: tuple[int, ...] = ()
+    _decoder = False
 
-    def layer_norm(self, x: Array, task_id: Array, *, name: str) -> Array:
-        """Pre-sub-block norm `[B, L, E] -> [B, L, E]` (override: conditional norm)."""
-        return RMSNorm(dtype=self.config.activation_dtype, name=name)(x)
+    def layer_fields(self) -> dict[str, Any]:
+        """Extra fields of every layer module (override: shared modules)."""
+        return {}
 
-    def attention_prefix(
-        self, x: Array, task_id: Array, *, name: str
-    ) -> tuple[Array, Array] | None:
-        """Prefix keys/values `[B, P, H, D]` for self-attention `name`, or None."""
+    def scan_fields(self) -> dict[str, Any]:
+        """Extra fields of the scanned layer module (`T5Config.scan_layers`)."""
+        return {}
+
+    def layer_inputs(self, task_id: Array) -> Any:
+        """Scanned stacks: per-layer inputs (leaves `[L, ...]`) for the hooks, or None."""
         return None
 
-    def adapt(self, y: Array, task_id: Array, *, name: str, deterministic: bool) -> Array:
-        """Transforms the output `[B, L, E]` of sub-block `name` (override: adapters)."""
-        return y
+    def make_layer(self, index: int) -> nn.Module:
+        cls = layer_class(self.layer_cls, self.config.remat_policy, self._STATIC_ARGNUMS,
+                          scanned=False)
+        return cls(config=self.config, layer_index=index, name=f"layers_{index}",
+                   **self.layer_fields())
 
-    def _attention(self, name: str) -> MultiHeadAttention:
+    def _stack(self, x: Array, args: tuple, task_id: Array) -> Array:
         cfg = self.config
-        return MultiHeadAttention(
-            num_heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=cfg.activation_dtype,
-            dropout_rate=cfg.dropout_rate, float32_logits=cfg.float32_attention_logits,
-            name=name,
+        n = cfg.num_decoder_layers if self._decoder else cfg.num_encoder_layers
+        return run_stack(
+            self.make_layer, self.layer_cls, {"config": cfg, **self.scan_fields()},
+            num_layers=n, scan=cfg.scan_layers, remat=cfg.remat_policy,
+            static_argnums=self._STATIC_ARGNUMS, x=x, args=args,
+            layer_inputs=self.layer_inputs(task_id) if cfg.scan_layers else None,
         )
 
-    def _mlp(self, x: Array, task_id: Array, deterministic: bool) -> Array:
-        cfg = self.config
-        h = self.layer_norm(x, task_id, name="pre_mlp_layer_norm")
-        h = MlpBlock(
-            intermediate_dim=cfg.mlp_dim, activations=cfg.mlp_activations,
-            dropout_rate=cfg.dropout_rate, dtype=cfg.activation_dtype, name="mlp",
-        )(h, deterministic)
-        h = self.adapt(h, task_id, name="mlp", deterministic=deterministic)
-        h = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic)
-        return nn.with_logical_constraint(x + h, (BATCH, LENGTH, EMBED))
 
-
-class EncoderLayer(_LayerHooks, nn.Module):
-    """Pre-norm self-attention + gated MLP block. `[B, Le, E] -> [B, Le, E]`."""
-
-    config: T5Config
-    layer_index: int = 0
-
-    @nn.compact
-    def __call__(
-        self, x: Array, mask: Array, bias: Array, task_id: Array, *, deterministic: bool
-    ) -> Array:
-        cfg = self.config
-        h = self.layer_norm(x, task_id, name="pre_attention_layer_norm")
-        prefix = self.attention_prefix(h, task_id, name="attention")
-        pk, pv = prefix if prefix is not None else (None, None)
-        h = self._attention("attention")(
-            h, h, mask, bias, prefix_key=pk, prefix_value=pv, deterministic=deterministic
-        )
-        h = self.adapt(h, task_id, name="attention", deterministic=deterministic)
-        h = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic)
-        x = nn.with_logical_constraint(x + h, (BATCH, LENGTH, EMBED))
-        return self._mlp(x, task_id, deterministic)
-
-
-class DecoderLayer(_LayerHooks, nn.Module):
-    """Pre-norm causal self-attention, cross-attention, gated MLP. `[B, Ld, E]` out."""
-
-    config: T5Config
-    layer_index: int = 0
-
-    @nn.compact
-    def __call__(
-        self,
-        x: Array,
-        encoded: Array,
-        self_mask: Array,
-        self_bias: Array,
-        cross_mask: Array,
-        task_id: Array,
-        *,
-        deterministic: bool,
-        decode: bool = False,
-    ) -> Array:
-        cfg = self.config
-        drop = functools.partial(
-            nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,)), deterministic=deterministic
-        )
-        h = self.layer_norm(x, task_id, name="pre_self_attention_layer_norm")
-        prefix = self.attention_prefix(h, task_id, name="self_attention")
-        pk, pv = prefix if prefix is not None else (None, None)
-        h = self._attention("self_attention")(
-            h, h, self_mask, self_bias, prefix_key=pk, prefix_value=pv, decode=decode,
-            deterministic=deterministic,
-        )
-        h = self.adapt(h, task_id, name="attention", deterministic=deterministic)
-        x = nn.with_logical_constraint(x + drop(h), (BATCH, LENGTH, EMBED))
-        h = self.layer_norm(x, task_id, name="pre_cross_attention_layer_norm")
-        h = self._attention("encoder_decoder_attention")(
-            h, encoded, cross_mask, None, deterministic=deterministic
-        )
-        h = self.adapt(h, task_id, name="cross_attention", deterministic=deterministic)
-        x = nn.with_logical_constraint(x + drop(h), (BATCH, LENGTH, EMBED))
-        return self._mlp(x, task_id, deterministic)
-
-
-class Encoder(nn.Module):
+class Encoder(_LayerStack, nn.Module):
     """Token ids `[B, Le]` -> encoded `[B, P + Le, E]` (P = 0 without an input prompt)."""
 
     config: T5Config
     shared_embedding: nn.Module
     layer_cls: type = EncoderLayer
 
-    def make_layer(self, index: int) -> nn.Module:
-        return self.layer_cls(config=self.config, layer_index=index, name=f"layers_{index}")
+    _STATIC_ARGNUMS = (5,)  # EncoderLayer.__call__'s `deterministic` (self = 0)
 
     def input_prompt(self, x: Array, task_id: Array) -> Array | None:
         """Embeddings `[B, P, E]` to prepend to the input embeddings `x`, or None."""
@@ -370,22 +316,21 @@ class Encoder(nn.Module):
         )(positions, positions, bidirectional=True)
         x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
         x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
-        for i in range(cfg.num_encoder_layers):
-            x = self.make_layer(i)(x, mask, bias, task_id, deterministic=deterministic)
+        x = self._stack(x, (mask, bias, task_id, deterministic), task_id)
         x = RMSNorm(dtype=dtype, name="encoder_norm")(x)
         x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
         return nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
 
 
-class Decoder(nn.Module):
+class Decoder(_LayerStack, nn.Module):
     """Decoder input ids `[B, Ld]` and encoded `[B, Lk, E]` -> logits `[B, Ld, V]`."""
 
     config: T5Config
     shared_embedding: nn.Module
     layer_cls: type = DecoderLayer
 
-    def make_layer(self, index: int) -> nn.Module:
-        return self.layer_cls(config=self.config, layer_index=index, name=f"layers_{index}")
+    _STATIC_ARGNUMS = (7, 8)  # DecoderLayer.__call__'s `deterministic`, `decode`
+    _decoder = True
 
     @nn.compact
     def __call__(
@@ -435,11 +380,9 @@ class Decoder(nn.Module):
         x = self.shared_embedding(decoder_input_tokens).astype(dtype)
         x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
         x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
-        for i in range(cfg.num_decoder_layers):
-            x = self.make_layer(i)(
-                x, encoded, self_mask, bias, cross_mask, task_id,
-                deterministic=deterministic, decode=decode,
-            )
+        x = self._stack(
+            x, (encoded, self_mask, bias, cross_mask, task_id, deterministic, decode), task_id
+        )
         x = RMSNorm(dtype=dtype, name="decoder_norm")(x)
         x = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic)
         # Logits in float32 whatever the activation dtype (T5X's `logits_dense` too).

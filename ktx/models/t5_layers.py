@@ -1,6 +1,7 @@
 """The layers of T5.1.1 (`ktx.models.t5` assembles them): dense and embedding layers with
 T5X's initialisers and logical axes, the RMS layer norm, the gated MLP, bucketed relative
-position biases and multi-head attention with prefixes, packing masks and a decode cache.
+position biases, multi-head attention with prefixes, packing masks and a decode cache, and
+the encoder and decoder layers (with their task-conditioning hooks).
 Shapes and dropout conventions are those of `ktx.models.t5`'s docstring.
 """
 
@@ -20,6 +21,8 @@ from jax import lax
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, RELPOS_BUCKETS, VOCAB
 
 __all__ = [
+    "EncoderLayer",
+    "DecoderLayer",
     "DenseGeneral",
     "Embed",
     "RMSNorm",
@@ -386,3 +389,134 @@ def _attention_mask(
         lq, lk = query_valid.shape[1], key_valid.shape[1]
         mask = mask & (jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None])[None]
     return mask[:, None].astype(jnp.float32)
+
+
+# ------------------------------------------------------------------------------------
+# Encoder and decoder layers (`config` is a `ktx.models.t5.T5Config`; see its module
+# docstring for the hooks). `deterministic` and `decode` may be given by position, as the
+# rematerialised (`nn.remat` static arguments) and scanned stacks do. `layer_inputs` is
+# None in an unrolled stack; in a scanned one (`T5Config.scan_layers`) it is this layer's
+# slice of the stack's per-layer inputs (`Encoder.layer_inputs`), handed to the hooks.
+# ------------------------------------------------------------------------------------
+
+
+def _scanned(layer_inputs: Any) -> dict[str, Any]:
+    """Hook keywords: `layer_inputs` only in a scanned stack (unrolled hooks may omit it)."""
+    return {} if layer_inputs is None else {"layer_inputs": layer_inputs}
+
+
+class _LayerHooks:
+    """Default (plain T5) hooks shared by encoder and decoder layers."""
+
+    config: Any
+
+    def layer_norm(self, x: Array, task_id: Array, *, name: str) -> Array:
+        """Pre-sub-block norm `[B, L, E] -> [B, L, E]` (override: conditional norm)."""
+        return RMSNorm(dtype=self.config.activation_dtype, name=name)(x)
+
+    def attention_prefix(
+        self, x: Array, task_id: Array, *, name: str, layer_inputs: Any = None
+    ) -> tuple[Array, Array] | None:
+        """Prefix keys/values `[B, P, H, D]` for self-attention `name`, or None."""
+        return None
+
+    def adapt(
+        self, y: Array, task_id: Array, *, name: str, deterministic: bool, layer_inputs: Any = None
+    ) -> Array:
+        """Transforms the output `[B, L, E]` of sub-block `name` (override: adapters)."""
+        return y
+
+    def _attention(self, name: str) -> MultiHeadAttention:
+        cfg = self.config
+        return MultiHeadAttention(
+            num_heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=cfg.activation_dtype,
+            dropout_rate=cfg.dropout_rate, float32_logits=cfg.float32_attention_logits,
+            name=name,
+        )
+
+    def _mlp(self, x: Array, task_id: Array, deterministic: bool, layer_inputs: Any) -> Array:
+        cfg = self.config
+        h = self.layer_norm(x, task_id, name="pre_mlp_layer_norm")
+        h = MlpBlock(
+            intermediate_dim=cfg.mlp_dim, activations=cfg.mlp_activations,
+            dropout_rate=cfg.dropout_rate, dtype=cfg.activation_dtype, name="mlp",
+        )(h, deterministic)
+        h = self.adapt(h, task_id, name="mlp", deterministic=deterministic,
+                       **_scanned(layer_inputs))
+        h = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic)
+        return nn.with_logical_constraint(x + h, (BATCH, LENGTH, EMBED))
+
+    def _out(self, x: Array) -> Any:
+        """A scanned layer returns `(carry, None)` (`nn.scan`'s body contract)."""
+        return (x, None) if self.scanned else x
+
+
+class EncoderLayer(_LayerHooks, nn.Module):
+    """Pre-norm self-attention + gated MLP block. `[B, Le, E] -> [B, Le, E]`."""
+
+    config: Any
+    layer_index: int = 0
+    scanned: bool = False
+
+    @nn.compact
+    def __call__(
+        self, x: Array, mask: Array, bias: Array, task_id: Array, deterministic: bool,
+        layer_inputs: Any = None,
+    ) -> Any:
+        cfg = self.config
+        h = self.layer_norm(x, task_id, name="pre_attention_layer_norm")
+        prefix = self.attention_prefix(h, task_id, name="attention", **_scanned(layer_inputs))
+        pk, pv = prefix if prefix is not None else (None, None)
+        h = self._attention("attention")(
+            h, h, mask, bias, prefix_key=pk, prefix_value=pv, deterministic=deterministic
+        )
+        h = self.adapt(h, task_id, name="attention", deterministic=deterministic,
+                       **_scanned(layer_inputs))
+        h = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(h, deterministic)
+        x = nn.with_logical_constraint(x + h, (BATCH, LENGTH, EMBED))
+        return self._out(self._mlp(x, task_id, deterministic, layer_inputs))
+
+
+class DecoderLayer(_LayerHooks, nn.Module):
+    """Pre-norm causal self-attention, cross-attention, gated MLP. `[B, Ld, E]` out."""
+
+    config: Any
+    layer_index: int = 0
+    scanned: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        encoded: Array,
+        self_mask: Array,
+        self_bias: Array,
+        cross_mask: Array,
+        task_id: Array,
+        deterministic: bool,
+        decode: bool = False,
+        layer_inputs: Any = None,
+    ) -> Any:
+        cfg = self.config
+        drop = functools.partial(
+            nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,)), deterministic=deterministic
+        )
+        h = self.layer_norm(x, task_id, name="pre_self_attention_layer_norm")
+        prefix = self.attention_prefix(h, task_id, name="self_attention",
+                                       **_scanned(layer_inputs))
+        pk, pv = prefix if prefix is not None else (None, None)
+        h = self._attention("self_attention")(
+            h, h, self_mask, self_bias, prefix_key=pk, prefix_value=pv, decode=decode,
+            deterministic=deterministic,
+        )
+        h = self.adapt(h, task_id, name="attention", deterministic=deterministic,
+                       **_scanned(layer_inputs))
+        x = nn.with_logical_constraint(x + drop(h), (BATCH, LENGTH, EMBED))
+        h = self.layer_norm(x, task_id, name="pre_cross_attention_layer_norm")
+        h = self._attention("encoder_decoder_attention")(
+            h, encoded, cross_mask, None, deterministic=deterministic
+        )
+        h = self.adapt(h, task_id, name="cross_attention", deterministic=deterministic,
+                       **_scanned(layer_inputs))
+        x = nn.with_logical_constraint(x + drop(h), (BATCH, LENGTH, EMBED))
+        return self._out(self._mlp(x, task_id, deterministic, layer_inputs))

@@ -1,0 +1,103 @@
+"""How a T5 layer stack runs: unrolled or scanned over layers, with or without
+rematerialisation (the T5X scalable-T5 options).
+
+* `remat_policy` (`T5Config.remat_policy`): `"none"` keeps every activation for the
+  backward pass; `"minimal"` saves only the matmuls without batch dimensions
+  (`jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims`, T5X's 'minimal') and
+  recomputes the rest; `"full"` saves nothing but each layer's input. Applied per layer
+  (`nn.remat` on the layer module): the numbers are those of `"none"`.
+* `scan_layers` (`T5Config.scan_layers`): the stack is one `nn.scan` over one layer
+  definition, so XLA compiles one layer instead of `L`. Parameters (and the decode
+  cache, and sown intermediates) are stacked on a leading `layers` axis under the scope
+  `layers` (e.g. `encoder/layers/attention/query/kernel` `[L, E, H, D]`), annotated with
+  the logical axis `ktx.partitioning.LAYERS`, which the standard rules never shard.
+  `ktx.models.scan_layout` converts parameter trees between the two layouts.
+
+Per-layer inputs of a scanned stack (`layer_inputs`, a pytree whose leaves have a
+leading `[L]` axis; the layer index among them when a hook needs it) are sliced by the
+scan and handed to layer `i`'s hooks; an unrolled stack passes None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from ktx.partitioning import LAYERS
+
+__all__ = ["REMAT_POLICIES", "remat_policy", "check_remat_policy", "layer_class", "run_stack"]
+
+REMAT_POLICIES = ("none", "minimal", "full")
+
+
+def check_remat_policy(
+    value: Any, where: str = "T5Config.remat_policy", macro: str = "REMAT_POLICY"
+) -> str:
+    """`value` if it is one of `REMAT_POLICIES`; else a ValueError naming `where` (the
+    gin binding) and the gin macro of the model files that sets it."""
+    if not isinstance(value, str) or value not in REMAT_POLICIES:
+        raise ValueError(
+            f"{where}={value!r} (gin macro {macro} of gin/models/t5_1_1_*.gin); accepted: "
+            f"{REMAT_POLICIES}")
+    return value
+
+
+def remat_policy(name: str) -> Any:
+    """The `jax.checkpoint` policy of a `REMAT_POLICIES` name (None: save nothing)."""
+    check_remat_policy(name)
+    if name == "minimal":
+        return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    return None
+
+
+def layer_class(cls: type, policy: str, static_argnums: Sequence[int], *, scanned: bool) -> type:
+    """`cls`, rematerialised under `policy` unless it is "none".
+
+    `static_argnums` index the layer's `__call__` arguments counting `self` as 0 (its
+    Python bools, e.g. `deterministic`); inside a scan, common-subexpression elimination
+    cannot undo the recomputation, so `prevent_cse` is off there (as T5X).
+    """
+    if check_remat_policy(policy) == "none":
+        return cls
+    return nn.remat(cls, policy=remat_policy(policy), prevent_cse=not scanned,
+                    static_argnums=tuple(static_argnums))
+
+
+def run_stack(
+    make_layer: Any,
+    cls: type,
+    fields: dict[str, Any],
+    *,
+    num_layers: int,
+    scan: bool,
+    remat: str,
+    static_argnums: Sequence[int],
+    x: jax.Array,
+    args: Sequence[Any],
+    layer_inputs: Any = None,
+) -> jax.Array:
+    """Runs `num_layers` layers on `x`: `layer(x, *args[, layer_inputs])`.
+
+    Unrolled: `make_layer(i)` builds layer `i` (already rematerialised). Scanned: one
+    `nn.scan` of `cls` (built with `fields`, plus `scanned=True`, scope `layers`) over
+    `layer_inputs` (leaves `[L, ...]`), every one of `args` broadcast to every layer.
+    Must be called inside the parent module's compact `__call__`.
+    """
+    if not scan:
+        for i in range(num_layers):
+            x = make_layer(i)(x, *args)
+        return x
+    body = layer_class(cls, remat, static_argnums, scanned=True)
+    stack = nn.scan(
+        body,
+        variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,) * len(args) + (0,),
+        length=num_layers,
+        metadata_params={nn.PARTITION_NAME: LAYERS},
+    )
+    x, _ = stack(**fields, scanned=True, name="layers")(x, *args, layer_inputs)
+    return x

@@ -1,0 +1,146 @@
+"""Rematerialisation (`T5Config.remat_policy`): the same losses and gradients as 'none' on
+every gradient path (plain, per-task blocks and VJP, microbatches), conditioned models
+included; the policy really reaches the layers; a bad value is a clear error."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ktx import optim
+from ktx.conditioning.model import ConditioningConfig, conditioned_model
+from ktx.models import seq2seq, t5
+from ktx.training import trainer as trainer_lib
+from ktx.training.optimizers import TaskOptimizer
+
+CFG = t5.T5Config(
+    vocab_size=24, emb_dim=16, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
+    head_dim=8, mlp_dim=32, dropout_rate=0.1,
+)
+
+
+def _batch():
+    enc = np.array([[5, 6, 7, 1], [8, 9, 1, 0], [10, 1, 0, 0], [11, 12, 13, 1]], np.int32)
+    tgt = np.array([[11, 12, 1, 0], [14, 1, 0, 0], [15, 16, 17, 1], [3, 1, 0, 0]], np.int32)
+    dec_in = np.concatenate([np.zeros((4, 1), np.int32), tgt[:, :-1]], axis=1)
+    return {
+        "encoder_input_tokens": enc,
+        "decoder_input_tokens": dec_in * (tgt > 0),
+        "decoder_target_tokens": tgt,
+        "decoder_loss_weights": (tgt > 0).astype(np.float32),
+        "task_id": np.array([0, 0, 1, 1], np.int32),
+        "row_id": np.arange(4, dtype=np.int32),
+    }
+
+
+def _model(policy, conditioning=None):
+    model = seq2seq.EncoderDecoderModel(dataclasses.replace(CFG, remat_policy=policy), num_tasks=2)
+    if conditioning is not None:
+        model = conditioned_model(model, conditioning)
+    return model
+
+
+def _params(model):
+    return nn.unbox(model.init_variables(jax.random.key(0), _batch()))["params"]
+
+
+def _loss_and_grad(model, params, train=True):
+    batch = _batch()
+
+    def loss(p):
+        sums, _ = model.loss_sums(p, batch, jax.random.key(3), train)
+        return sums.sum() / model.normalizer(batch).sum()
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+@pytest.mark.parametrize("policy", ["minimal", "full"])
+@pytest.mark.parametrize("conditioning", [None, "hyperprompt", "adapters"])
+def test_same_loss_and_gradients_as_none(policy, conditioning):
+    cond = None if conditioning is None else ConditioningConfig(
+        method=conditioning, encoder_prompt_length=2, decoder_prompt_length=2,
+        reduction_factor=4, task_embed_dim=4, task_hidden_dim=8, projected_dim=4)
+    plain = _model("none", cond)
+    params = _params(plain)
+    remat = _model(policy, cond)
+    # Same parameter tree: a checkpoint of one loads into the other.
+    assert jax.tree.structure(_params(remat)) == jax.tree.structure(params)
+    loss0, grad0 = _loss_and_grad(plain, params)  # dropout on: per-row keys
+    loss1, grad1 = _loss_and_grad(remat, params)
+    assert np.isfinite(loss0) and loss0 > 0
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    _close(grad1, grad0)
+
+
+@pytest.mark.parametrize("policy", ["minimal", "full"])
+def test_policy_reaches_the_layers(policy):
+    """The backward pass of a rematerialised model holds `checkpoint` (remat) equations,
+    one per layer; 'none' holds none."""
+    batch = _batch()
+
+    def count(model, params):
+        def loss(p):
+            return model.loss_sums(p, batch, jax.random.key(3), True)[0].sum()
+
+        text = str(jax.make_jaxpr(jax.grad(loss))(params))
+        return text.count("checkpoint[") + text.count("remat2[") + text.count("remat[")
+
+    params = _params(_model("none"))
+    assert count(_model("none"), params) == 0
+    assert count(_model(policy), params) >= CFG.num_encoder_layers + CFG.num_decoder_layers
+
+
+@pytest.mark.parametrize("method", ["blocks", "vjp"])
+def test_per_task_gradients_match(method):
+    batch = _batch()
+    params = _params(_model("none"))
+    out = {}
+    for policy in ("none", "full"):
+        model = _model(policy)
+
+        def fn(p, model=model):
+            def sums(pp, b):
+                return model.loss_sums(pp, b, jax.random.key(3), True)
+
+            return optim.compute_task_gradients(
+                sums, model.normalizer(batch), p, batch, num_tasks=2, task_counts=(2, 2),
+                method=method, shared=(".*",), check_layout=False)
+
+        out[policy] = jax.jit(fn)(params)
+    losses0, _, grads0 = out["none"]
+    losses1, _, grads1 = out["full"]
+    np.testing.assert_allclose(losses1, losses0, rtol=1e-6)
+    assert grads0.stacked is not None
+    _close(grads1.stacked, grads0.stacked)
+
+
+def test_microbatched_step_matches():
+    batch = {k: jnp.asarray(v) for k, v in _batch().items() if k != "row_id"}
+    params = _params(_model("none"))
+    opt = TaskOptimizer(optax.sgd(1.0))
+    results = {}
+    for policy in ("none", "minimal"):
+        model = _model(policy)
+        state = trainer_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                       opt_state=opt.init(params))
+        step = jax.jit(lambda s, b, model=model: trainer_lib.train_step(
+            s, b, jax.random.key(5), model=model, optimizer=opt,
+            options=trainer_lib.StepOptions(num_microbatches=2)))
+        results[policy] = step(state, batch)
+    (s0, m0), (s1, m1) = results["none"], results["minimal"]
+    np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-6)
+    _close(s1.params, s0.params)
+
+
+@pytest.mark.parametrize("bad", ["some", "None", None, 1])
+def test_bad_policy_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=r"T5Config\.remat_policy=.*accepted: \('none', 'minimal', 'full'\)"):
+        t5.T5Config(remat_policy=bad)
