@@ -69,7 +69,7 @@ _HELP = {
     "params": "count a gin-configured model's parameters from shapes",
     "analyze": "`gradients RUN_DIR` (per-task gradient magnitudes) or `attention`",
     "import": "SRC OUT: a ktx checkpoint directory from hf:DIR, t5x:DIR or camtl:DIR",
-    "export": "SRC OUT: a run's checkpoint as hf:DIR or conditioning:FILE",
+    "export": "SRC OUT: a run's checkpoint as hf:DIR, t5x:DIR or conditioning:FILE",
     "precompile": "compile the train step for a TPU topology; per-chip memory and FLOPs",
 }
 
@@ -116,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     help="hf:DIR|t5x:DIR|camtl:DIR, then the output folder")
     e = commands["export"]
     e.add_argument("args", nargs="*", metavar="SRC OUT",
-                   help="a run or checkpoint directory, then hf:DIR or conditioning:FILE")
+                   help="a run or checkpoint directory, then hf:DIR, t5x:DIR or conditioning:FILE")
     e.add_argument("--checkpoint", default=None, help="the step (default: the latest)")
+    e.add_argument("--backbone_only", action="store_true",
+                   help="leave out (and name) the parameters the target format has no place "
+                        "for: task heads, task conditioning")
     return parser
 
 
@@ -133,7 +136,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 _DEFAULTS = dict(args=[], gin_file=[], gin_search_paths="", multihost=False, topology=None,
                  coordinator_address=None, num_processes=None, process_id=None, out=None,
-                 checkpoint=None, task=None, out_dir=None, split="validation", max_examples=100)
+                 checkpoint=None, backbone_only=False, task=None, out_dir=None, split="validation", max_examples=100)
 
 
 def _report_failure(e: BaseException, command: str) -> None:

@@ -187,15 +187,16 @@ def _check_run_macros(command: str) -> None:
 def _convert_command(args) -> int:
     """`ktx import hf:DIR|t5x:DIR OUT`: a ktx checkpoint directory (orbax step 0 +
     `model.gin`) from a Hugging Face or T5X checkpoint. `ktx export SRC hf:OUT
-    [--checkpoint STEP]`: a ktx run / checkpoint directory as a Hugging Face T5
-    directory; the model's T5Config comes from the run's `config.gin` when there is one
+    [--checkpoint STEP] [--backbone_only]`: a ktx run / checkpoint directory as a Hugging
+    Face T5 or BERT directory (`t5x:OUT`: a T5X checkpoint); the model's config comes from
+    the run's `config.gin` when there is one
     (else what `ktx import` recorded, else the shapes). See ktx.convert and
     docs/checkpoints.md."""
     from ktx import convert
 
     usage = {"import": "ktx import hf:DIR|t5x:DIR|camtl:DIR OUT_DIR",
-             "export": "ktx export RUN_OR_CHECKPOINT_DIR hf:OUT_DIR|conditioning:FILE "
-                       "[--checkpoint STEP]"}
+             "export": "ktx export RUN_OR_CHECKPOINT_DIR hf:OUT_DIR|t5x:OUT_DIR|conditioning:FILE "
+                       "[--checkpoint STEP] [--backbone_only]"}
     if len(args.args) != 2:
         raise ValueError(f"ktx {args.command} takes 2 arguments, got {args.args}; "
                          f"usage: {usage[args.command]}")
@@ -229,6 +230,7 @@ def _convert_command(args) -> int:
             configurable = gin.configurable("ktx_export_command")(lambda model=gin.REQUIRED: model)
         gin.parse_config("ktx_export_command.model = %MODEL")
         config = configurable().config
-    path = convert.export_checkpoint(src, out, step=step, config=config)
+    path = convert.export_checkpoint(src, out, step=step, config=config,
+                                     backbone_only=args.backbone_only)
     print(f"wrote {path}" + (f" (model from {run_gin})" if run_gin else ""))
     return 0

@@ -1,4 +1,4 @@
-"""Hugging Face BERT directories -> ktx BERT parameters (`ktx.models.bert.BertEncoder`).
+"""Hugging Face BERT directories <-> ktx BERT parameters (`ktx.models.bert.BertEncoder`).
 
 A directory as transformers' `save_pretrained` (or sentence-transformers) writes it:
 `config.json` with `model_type: bert` and `model.safetensors` (or shards listed by
@@ -30,6 +30,11 @@ heads split: query/key/value `[E, H, D]`, out `[H, D, E]`):
     cls.predictions.bias [V]                                  mlm/bias
     cls.predictions.decoder.weight / .bias                    tied: must equal the word
                                                               embeddings / cls.predictions.bias
+
+`write_hf_bert` writes the same layout back: `BertForMaskedLM` names (`bert.` prefix,
+`cls.predictions.*`) when the parameters hold the MLM head, else `BertModel` names (no
+prefix, the pooler when present), float32 safetensors and a `config.json` transformers
+reads.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ __all__ = [
     "hf_bert_tensor_names",
     "is_hf_bert",
     "read_hf_bert",
+    "write_hf_bert",
 ]
 
 MODEL_TYPES = ("bert",)
@@ -314,3 +320,64 @@ encoder.EncoderClassifierModel:
   loss_normalization = %LOSS_NORMALIZATION
 
 {bert_config_gin(config)}"""
+
+
+def hf_bert_config(config: BertConfig, *, mlm: bool) -> dict[str, Any]:
+    """A transformers `config.json` for `config` (`BertForMaskedLM` when `mlm`, else
+    `BertModel`)."""
+    return {
+        "architectures": ["BertForMaskedLM" if mlm else "BertModel"],
+        "attention_probs_dropout_prob": float(config.attention_dropout_rate),
+        "hidden_act": config.hidden_act,
+        "hidden_dropout_prob": float(config.dropout_rate),
+        "hidden_size": config.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": config.intermediate_size,
+        "layer_norm_eps": float(config.layer_norm_eps),
+        "max_position_embeddings": config.max_position,
+        "model_type": "bert",
+        "num_attention_heads": config.num_heads,
+        "num_hidden_layers": config.num_layers,
+        "pad_token_id": 0,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+        "type_vocab_size": config.type_vocab_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def write_hf_bert(params: Mapping[str, Any], config: BertConfig, path: str | os.PathLike
+                  ) -> pathlib.Path:
+    """Writes ktx BERT parameters (`BertEncoder(config)`'s, the pooler and MLM head when
+    present) as a Hugging Face BERT directory; `path` must be new or empty, nothing is
+    written on failure. ValueError naming parameters with no transformers counterpart
+    (task heads, method parameters) or of the wrong shape."""
+    from ktx.convert.atomic import atomic_directory
+    from ktx.convert.safetensors_io import write_safetensors
+
+    flat = {k: np.asarray(v, np.float32) for k, v in layout.flatten(params).items()}
+    mapping = _mapping(config)
+    known = {p for p, _ in mapping.values()}
+    extra = sorted(p for p in flat if p not in known)
+    if extra:
+        shown = ", ".join(extra[:8]) + (f", ... ({len(extra)} in all)" if len(extra) > 8 else "")
+        raise ValueError(f"{len(extra)} parameters have no Hugging Face BERT counterpart: {shown}")
+    check_params(flat, config, where="the parameters")
+    mlm = any(p.startswith("mlm/") for p in flat)
+    prefix = "bert." if mlm else ""
+    tensors = {}
+    for name, (p, transpose) in mapping.items():
+        if p not in flat:
+            continue  # the optional pooler / MLM head
+        a = flat[p]
+        if transpose:  # [in, out] (heads split) -> torch Linear [out, in]
+            a = a.reshape(-1, a.shape[-1]) if p.endswith("attention/out/kernel") else a.reshape(a.shape[0], -1)
+            a = a.T
+        else:
+            a = a.reshape(-1) if p.endswith("/bias") else a
+        tensors[name if name.startswith("cls.") else prefix + name] = a
+    with atomic_directory(path) as tmp:
+        (tmp / "config.json").write_text(
+            json.dumps(hf_bert_config(config, mlm=mlm), indent=2, sort_keys=True) + "\n")
+        write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
+    return pathlib.Path(path).expanduser().absolute()

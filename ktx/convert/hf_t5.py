@@ -379,8 +379,8 @@ def write_hf_t5(params: Mapping[str, Any], config: T5Config, path: str | os.Path
         shown = ", ".join(extra[:8]) + (f", ... ({len(extra)} in all)" if len(extra) > 8 else "")
         raise ValueError(
             f"{len(extra)} parameters have no Hugging Face T5 counterpart: {shown}. They exist "
-            "only in ktx: keep the run in ktx's format (exporting the task-conditioned "
-            "parameters alone is not implemented yet)"
+            "only in ktx: export them alone to conditioning:FILE, the backbone with "
+            "--backbone_only"
         )
     layout.check_params(flat, config, where="the parameters")
     config_json = hf_config(config)

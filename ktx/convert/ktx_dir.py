@@ -9,7 +9,7 @@
 which `ktx.training.checkpoints.load_initial_params` / `resolve_checkpoint` read like a run
 directory (`INITIAL_CHECKPOINT_PATH = 'OUT'`). `export_checkpoint(SRC, "hf:DIR")` reads
 the parameters of a ktx run or checkpoint (latest step or `step`) and writes a Hugging
-Face T5 directory.
+Face T5 or BERT directory; `export_checkpoint(SRC, "t5x:DIR")` a T5X checkpoint.
 
 `camtl:DIR` (the authors' CA-MTL checkpoint, `ktx.convert.camtl`) writes a model.gin
 binding MODEL to the matching `ktx.models.camtl.CaMtlClassifierModel`.
@@ -27,9 +27,10 @@ import numpy as np
 
 from ktx.convert import layout
 from ktx.convert.atomic import atomic_directory
+from ktx.convert import hf_bert
 from ktx.convert.hf_bert import is_hf_bert, read_hf_bert
 from ktx.convert.hf_t5 import Imported, read_hf_t5, write_hf_t5
-from ktx.convert.t5x import read_t5x
+from ktx.convert.t5x import read_t5x, write_t5x
 from ktx.models.t5 import T5Config
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "read_ktx_checkpoint",
     "import_checkpoint",
     "export_checkpoint",
+    "EXPORT_PREFIXES",
 ]
 
 SOURCE_PREFIXES = ("hf", "t5x", "camtl")
@@ -133,7 +135,7 @@ def write_ktx_checkpoint(
     """Writes `params` (checked against `config`, a `T5Config` or `BertConfig`) as a ktx
     checkpoint directory (step 0, `model.gin`); all or nothing (`out` must be new or empty)."""
     from ktx.training.checkpoints import CheckpointManager
-    from ktx.convert import camtl, hf_bert
+    from ktx.convert import camtl
     from ktx.training.trainer import TrainState
 
     flat = {k: np.asarray(v, np.float32) for k, v in layout.flatten(params).items()}
@@ -164,10 +166,11 @@ def import_checkpoint(source: str | os.PathLike, out: str | os.PathLike) -> path
 
 def read_ktx_checkpoint(
     path: str | os.PathLike, step: int | None = None
-) -> tuple[dict[str, np.ndarray], T5Config | None, pathlib.Path]:
+) -> tuple[dict[str, np.ndarray], Any, pathlib.Path]:
     """The parameters (flat `{path: array}`, host numpy) of a ktx run / checkpoints /
-    step directory (latest step unless `step`), the `T5Config` its metadata records
-    (checkpoints written by `ktx import`; None otherwise) and the step directory."""
+    step directory (latest step unless `step`), the `T5Config` or `BertConfig` its
+    metadata records (checkpoints written by `ktx import`; None otherwise) and the step
+    directory."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -195,7 +198,14 @@ def read_ktx_checkpoint(
         meta = json.loads(meta_file.read_text())
         if isinstance(meta, Mapping) and isinstance(meta.get("t5_config"), Mapping):
             config = layout.config_from_dict(meta["t5_config"])
+        elif isinstance(meta, Mapping) and isinstance(meta.get("bert_config"), Mapping):
+            from ktx.models.bert import BertConfig
+
+            config = BertConfig(**meta["bert_config"])
     return {k: np.asarray(v) for k, v in layout.flatten(params).items()}, config, step_dir
+
+
+EXPORT_PREFIXES = ("hf", "t5x")
 
 
 def export_checkpoint(
@@ -203,28 +213,62 @@ def export_checkpoint(
     out: str | os.PathLike,
     *,
     step: int | None = None,
-    config: T5Config | None = None,
+    config: Any = None,
+    backbone_only: bool = False,
 ) -> pathlib.Path:
-    """`ktx export`: the parameters of a ktx run / checkpoint directory as `hf:DIR`.
+    """`ktx export`: the parameters of a ktx run / checkpoint directory as `hf:DIR` (a
+    Hugging Face T5 or BERT directory) or `t5x:DIR` (a T5X model directory holding
+    `checkpoint_<step>`, T5 only).
 
-    `config`: the model's `T5Config` (the CLI takes it from the run's gin files); default:
-    the one recorded by `ktx import`, else inferred from the shapes (T5.1.1's gated GELU
-    for `wi_0`/`wi_1`, ReLU for `wi`, max distance 128). Parameters with no Hugging Face
-    counterpart (task conditioning) are a ValueError naming them. Returns the written
-    directory.
+    `config`: the model's `T5Config` / `BertConfig` (the CLI takes it from the run's gin
+    files); default: the one recorded by `ktx import`, else a T5 inferred from the shapes
+    (T5.1.1's gated GELU for `wi_0`/`wi_1`, ReLU for `wi`, max distance 128). Parameters
+    with no counterpart in the target (task conditioning, task heads, method parameters)
+    are a ValueError naming them, unless `backbone_only`: then they are left out and
+    named on stdout. Returns the written directory.
     """
-    prefix, path = _split(out)
-    if prefix != "hf":
-        raise ValueError(
-            f"export target {os.fspath(out)!r}: accepted: 'hf:DIR' (a Hugging Face T5 "
-            "directory); T5X export is not implemented yet"
-        )
-    if not path:
-        raise ValueError(f"export target {os.fspath(out)!r} names no directory")
+    from ktx.models.bert import BertConfig
+
+    prefix, path = _split_target(out)
     flat, recorded, step_dir = read_ktx_checkpoint(source, step)
-    if config is None:
-        config = recorded
+    config = recorded if config is None else config
     if config is None:
         backbone = {k: v for k, v in flat.items() if not k.startswith("conditioning/")}
         config = layout.config_from_params(backbone, where=str(step_dir))
-    return write_hf_t5(layout.unflatten(flat), config, path)
+    if isinstance(config, BertConfig):
+        if prefix != "hf":
+            raise ValueError(f"export target {os.fspath(out)!r}: a BERT model exports to "
+                             "'hf:DIR' only (T5X holds T5 models)")
+        known = set(hf_bert.expected_shapes(config))
+    elif isinstance(config, T5Config):
+        known = set(layout.expected_shapes(config))
+    else:
+        raise ValueError(f"the model of {step_dir} ({type(config).__name__}) has no Hugging Face "
+                         "or T5X counterpart; exportable: T5 (T5Config) and BERT (BertConfig) models")
+    left_out = sorted(k for k in flat if k not in known)
+    if left_out and not backbone_only:
+        shown = ", ".join(left_out[:8]) + (f", ... ({len(left_out)} in all)" if len(left_out) > 8 else "")
+        raise ValueError(
+            f"{len(left_out)} parameters of {step_dir} have no {prefix} counterpart: {shown}. "
+            "Export the backbone alone with --backbone_only (library: backbone_only=True); "
+            "the task-conditioned parameters alone go to conditioning:FILE")
+    if left_out:
+        print(f"left out (no {prefix} counterpart): {', '.join(left_out)}", flush=True)
+    params = layout.unflatten({k: v for k, v in flat.items() if k in known})
+    if isinstance(config, BertConfig):
+        return hf_bert.write_hf_bert(params, config, path)
+    if prefix == "t5x":
+        return write_t5x(params, config, path, step=int(step_dir.name)).parent
+    return write_hf_t5(params, config, path)
+
+
+def _split_target(out: str | os.PathLike) -> tuple[str, str]:
+    prefix, sep, path = os.fspath(out).partition(":")
+    if not sep or prefix not in EXPORT_PREFIXES:
+        raise ValueError(
+            f"export target {os.fspath(out)!r}: accepted: 'hf:DIR' (a Hugging Face T5 or BERT "
+            "directory), 't5x:DIR' (a T5X model directory) or, with `ktx export`, "
+            "'conditioning:FILE' (the task-conditioned parameters alone)")
+    if not path:
+        raise ValueError(f"export target {os.fspath(out)!r} names no directory")
+    return prefix, path

@@ -15,10 +15,19 @@ model config: the sizes come from the shapes, the MLP activations from the kerne
 overrides). Only the parameters (`optimizer/target`) are read; the optimizer state is not.
 Nothing is read until a parameter is placed: the arrays are `ktx.convert.lazy.LazyArray`s
 over the TensorStore folders, read shard by shard.
+
+`write_t5x` writes the same layout back: `checkpoint_<step>/` with every parameter in its
+own gzip zarr folder (`target.<dotted path>`, chunks of at most 64 MiB chosen as T5X
+chooses them, heads flattened as T5X's T5.1.1 network stores them) and the optimizer state
+T5X's default Adafactor starts from (`adafactor.Adafactor(min_dim_size_to_factor=128)`,
+no momentum: zeros, `v_row`/`v_col` for matrices whose two largest dimensions reach
+`min_dim_size_to_factor`, a full `v` otherwise), so T5X restores it with its standard
+T5.1.1 configuration.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import re
@@ -31,9 +40,11 @@ from ktx.convert import layout
 from ktx.convert.hf_t5 import Imported
 from ktx.convert.lazy import LazyArray, materialize
 
-__all__ = ["read_t5x", "resolve_t5x_checkpoint"]
+__all__ = ["read_t5x", "resolve_t5x_checkpoint", "write_t5x"]
 
 _STEP_DIR = re.compile(r"^checkpoint_(\d+)$")
+_VERSION = 3  # T5X's legacy checkpoint format version
+_CHUNK_BYTES = 64 * 1024 * 1024  # T5X's desired zarr chunk size
 
 
 def resolve_t5x_checkpoint(path: str | os.PathLike) -> pathlib.Path:
@@ -156,3 +167,94 @@ def _flatten_specs(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[path] = value
     return out
+
+
+def write_t5x(params: Mapping[str, Any], config: Any, path: str | os.PathLike, *, step: int = 0,
+              min_dim_size_to_factor: int = 128) -> pathlib.Path:
+    """Writes ktx T5 parameters as a T5X model directory holding `checkpoint_<step>/`
+    (T5X's legacy layout, see the module docstring); returns the step directory.
+
+    `path` must be new or empty (nothing is written when anything fails). Raises
+    ValueError naming parameters that T5X's T5 has no place for (task conditioning) or of
+    the wrong shape for `config`.
+    """
+    import tensorstore as ts
+    from flax import serialization
+
+    from ktx.convert.atomic import atomic_directory
+
+    flat = {k: np.asarray(v, np.float32) for k, v in layout.flatten(params).items()}
+    extra = sorted(p for p in flat if p not in layout.expected_shapes(config))
+    if extra:
+        raise ValueError(f"{len(extra)} parameters have no place in T5X's T5: "
+                         f"{', '.join(extra[:8])}{', ...' if len(extra) > 8 else ''}")
+    layout.check_params(flat, config, where="the parameters")
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r}; accepted: an integer >= 0")
+
+    def stored(name: str, a: np.ndarray) -> np.ndarray:  # T5X keeps heads flattened
+        if re.search(r"(attention|encoder_decoder_attention)/(query|key|value)/kernel$", name):
+            return a.reshape(a.shape[0], -1)
+        if re.search(r"attention/out/kernel$", name):
+            return a.reshape(-1, a.shape[-1])
+        return a
+
+    def spec(folder: str, shape: tuple[int, ...]) -> dict[str, Any]:
+        return {"driver": "zarr", "dtype": "float32",
+                "kvstore": {"driver": "file", "path": f"{folder}/"},
+                "metadata": {"chunks": _chunk_shape(shape, _CHUNK_BYTES // 4),
+                             "compressor": {"id": "gzip", "level": 1}, "shape": list(shape)}}
+
+    out = pathlib.Path(path).expanduser().absolute()
+    with atomic_directory(out) as tmp:
+        step_dir = tmp / f"checkpoint_{step}"
+        step_dir.mkdir()
+
+        def write(folder: str, a: np.ndarray) -> dict[str, Any]:
+            s = spec(folder, a.shape)
+            target = dict(s, kvstore={"driver": "file", "path": str(step_dir / folder)})
+            ts.open(target, create=True, open=True).result().write(a).result()
+            return s
+
+        target, states = {}, {}
+        for name, value in flat.items():
+            dotted = name.replace("/", ".")
+            a = stored(name, value)
+            target[name] = write(f"target.{dotted}", a)
+            state = {k: np.zeros((1,), np.float32) for k in ("m", "v", "v_col", "v_row")}
+            factored = _factored_dims(a.shape, min_dim_size_to_factor)
+            if factored is None:
+                state["v"] = write(f"state.param_states.{dotted}.v", np.zeros(a.shape, np.float32))
+            else:
+                row, col = factored
+                state["v_row"] = np.zeros(np.delete(a.shape, col), np.float32)
+                state["v_col"] = np.zeros(np.delete(a.shape, row), np.float32)
+            states[name] = state
+        tree = {"version": _VERSION, "optimizer": {
+            "state": {"param_states": layout.unflatten(states), "step": np.asarray(step, np.int32)},
+            "target": layout.unflatten(target)}}
+        (step_dir / "checkpoint").write_bytes(serialization.msgpack_serialize(tree))
+    return out / f"checkpoint_{step}"
+
+
+def _factored_dims(shape: tuple[int, ...], min_dim_size_to_factor: int) -> tuple[int, int] | None:
+    """T5X Adafactor's heuristic: `(row, col)` = the second largest and the largest axis
+    when there are two axes of at least `min_dim_size_to_factor`; None otherwise."""
+    if len(shape) < 2:
+        return None
+    order = np.argsort(shape)
+    if shape[order[-2]] < min_dim_size_to_factor:
+        return None
+    return int(order[-2]), int(order[-1])
+
+
+def _chunk_shape(shape: tuple[int, ...], target_elements: int) -> list[int]:
+    """T5X's chunk choice: divisors of each axis, the largest axis reduced first, until a
+    chunk holds at most `target_elements`."""
+    factors = [[d for d in range(1, n + 1) if n % d == 0] or [1] for n in shape]
+    while math.prod(f[-1] for f in factors) > target_elements:
+        axis = max(range(len(shape)), key=lambda i: (factors[i][-1], -i))
+        if factors[axis][-1] == 1:
+            break
+        factors[axis].pop()
+    return [f[-1] for f in factors]

@@ -191,7 +191,9 @@ def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch
     assert cli.main(["export", "nowhere", "hf:x"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert cli.main(["export", "nowhere", "t5x:x"]) == 2
-    assert "T5X export is not implemented" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["export", "nowhere", "onnx:x"]) == 2
+    assert "accepted: 'hf:DIR'" in capsys.readouterr().err
 
 
 def test_absolute_path_keeps_source_prefixes(tmp_path, monkeypatch):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import numpy as np
 import pytest
@@ -11,8 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ktx import convert
 from ktx.convert.lazy import LazyArray, place
-
-FIXTURES = pathlib.Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "checkpoints"
+from tests.convert.conftest import checkpoint_fixture
 
 
 def _counting(array: np.ndarray, reads: list):
@@ -68,13 +65,14 @@ def test_place_reads_only_each_shard_once():
     assert all((stop - start) == 8 for (start, stop), _ in reads)
 
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"shared fixtures not found at {FIXTURES}")
 @pytest.mark.parametrize("source", ["hf:hf_t5_v1_1_tiny", "hf:hf_t5_v1_0_tiny", "hf:hf_bert_tiny",
                                     "t5x:t5x_t5_1_1_tiny/checkpoint_1"])
 def test_lazy_reader_equals_the_eager_one(source):
     prefix, name = source.split(":")
-    eager = convert.load_source(f"{prefix}:{FIXTURES / name}")
-    lazy = convert.load_source(f"{prefix}:{FIXTURES / name}", lazy=True)
+    folder, _, step = name.partition("/")
+    path = checkpoint_fixture(folder) / step
+    eager = convert.load_source(f"{prefix}:{path}")
+    lazy = convert.load_source(f"{prefix}:{path}", lazy=True)
     eager_flat, lazy_flat = convert.flatten(eager.params), convert.flatten(lazy.params)
     assert eager_flat.keys() == lazy_flat.keys()
     for k, v in lazy_flat.items():
