@@ -39,6 +39,7 @@ __all__ = [
     "LENGTH",
     "RELPOS_BUCKETS",
     "LAYERS",
+    "PARAMETER_PARTITIONING_DIMS",
     "TASKS",
     "PROMPT_LENGTH",
     "TASK_EMBED",
@@ -106,14 +107,34 @@ _KTX_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
+PARAMETER_PARTITIONING_DIMS = (1, 2)
+
+
 def standard_logical_axis_rules(
     additional_rules: AxisRules = (),
+    parameter_partitioning_dims: int = 1,
 ) -> tuple[tuple[str, str | None], ...]:
-    """T5X's standard 1-D parameter/activation rules plus ktx's task axes.
+    """T5X's standard parameter/activation rules plus ktx's task axes.
+
+    `parameter_partitioning_dims=1`: parameters split over `model` only (T5X's 1-D
+    rules). `2`: the `embed` axis (every T5 / BERT parameter's largest non-model axis)
+    is also split over `data`, as T5X's `parameter_partitioning_dims=2` rules do, so each
+    data-parallel replica holds `1 / data` of each such parameter (and of its optimizer
+    state, which follows the parameter shardings); activations keep `batch` on `data`
+    (a mesh axis is used once per array, so an activation's `embed` stays whole).
 
     `additional_rules` come first, so they override a standard rule for the same
-    logical name (flax uses the first rule that matches).
+    logical name (flax uses the first rule that matches). The `layers` axis (scanned
+    layer stacks) is never sharded: a rule mapping it to a mesh axis is a ValueError.
     """
+    if isinstance(parameter_partitioning_dims, bool) or (
+        parameter_partitioning_dims not in PARAMETER_PARTITIONING_DIMS
+    ):
+        raise ValueError(
+            f"parameter_partitioning_dims={parameter_partitioning_dims!r} (gin: "
+            "train_script.train.parameter_partitioning_dims); accepted: "
+            f"{PARAMETER_PARTITIONING_DIMS}"
+        )
     for rule in additional_rules:
         if (
             not isinstance(rule, (tuple, list))
@@ -125,7 +146,17 @@ def standard_logical_axis_rules(
                 f"additional_rules: {rule!r} is not a (logical_name, mesh_axis) pair; "
                 f"mesh_axis must be one of None, {DATA!r}, {MODEL!r}"
             )
-    return tuple(tuple(r) for r in additional_rules) + _STANDARD_RULES + _KTX_RULES
+        if rule[0] == LAYERS and rule[1] is not None:
+            raise ValueError(
+                f"additional_rules: {tuple(rule)!r} maps the scanned layer axis {LAYERS!r} "
+                f"to the mesh axis {rule[1]!r}; the layer stack of T5Config.scan_layers is "
+                "never sharded: accepted for 'layers' is None (or no rule)"
+            )
+    standard = _STANDARD_RULES
+    if parameter_partitioning_dims == 2:
+        standard = tuple((EMBED, DATA) if name == EMBED else (name, axis)
+                         for name, axis in standard)
+    return tuple(tuple(r) for r in additional_rules) + standard + _KTX_RULES
 
 
 def create_mesh(

@@ -141,6 +141,7 @@ def train(
     balancer: Any = None,
     num_partitions: int = 1,
     additional_rules: Sequence[tuple[str, str | None]] = (),
+    parameter_partitioning_dims: int = 1,
     num_microbatches: int = 1,
     grad_method: str = "auto",
     shared: Sequence[str] | None = None,
@@ -174,6 +175,9 @@ def train(
       train_epochs: instead of `train_steps`, stop after this many epochs of an input
         that defines `steps_per_epoch` (e.g. `ktx.data.recsys.RecsysTrainInput`).
       num_partitions: model-parallel size (NUM_PARTITIONS); the rest is data-parallel.
+      additional_rules, parameter_partitioning_dims: the logical axis rules
+        (`ktx.partitioning.standard_logical_axis_rules`; dims 2 also splits each
+        parameter's `embed` axis over `data`).
       num_microbatches, grad_method, shared, sparse_tables, target_task: the step's
         `ktx.training.trainer.StepOptions`.
       log_diagnostics: balanced runs: log per-task gradient norms, cosines (against
@@ -224,7 +228,8 @@ def train(
     trainer = Trainer(
         model, optimizer, balancer=balancer, schedule=schedule,
         mesh=partitioning.create_mesh(num_partitions),
-        rules=partitioning.standard_logical_axis_rules(additional_rules),
+        rules=partitioning.standard_logical_axis_rules(additional_rules,
+                                                       parameter_partitioning_dims),
         num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
         sparse_tables=sparse_tables, diagnostics_period=log_period if log_diagnostics else 0,
         target_task=target_task,

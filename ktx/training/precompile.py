@@ -175,6 +175,7 @@ def precompile(
     grad_method: str = "auto",
     shared: Sequence[str] | None = None,
     additional_rules: Sequence[tuple[str, str | None]] = (),
+    parameter_partitioning_dims: int = 1,
     target_task: int = 0,
 ) -> PrecompileReport:
     """Lowers and compiles one train step for `topology`; see the module docstring.
@@ -184,7 +185,7 @@ def precompile(
     """
     devices = topology_devices(topology)
     mesh = partitioning.create_mesh(num_partitions, devices=devices)
-    rules = partitioning.standard_logical_axis_rules(additional_rules)
+    rules = partitioning.standard_logical_axis_rules(additional_rules, parameter_partitioning_dims)
     trainer = Trainer(model, optimizer, mesh=mesh, rules=rules, balancer=balancer,
                       num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
                       diagnostics_period=100, target_task=target_task)
