@@ -22,6 +22,12 @@ attention, cross-attention, mlp (the encoder has no cross-attention). Every laye
 conditioner for its own slot; the conditioner computes it for all T tasks at once and
 gathers per example by `task_id`.
 
+With `T5Config.scan_layers` every method runs inside the scanned stack: the conditioner
+computes every layer's per-task quantities once, outside the scan (`Conditioner.layer_inputs`:
+hyper-prompts `[M, T, l, H, D]`, adapter weights `[M, A, T, ...]`, the layer index entering
+through the layer embeddings of the hypernetworks), and layer `m` gathers its slice per
+example; the conditioning parameters are the same in both layouts.
+
 The backbone parameters keep plain T5's names and shapes, so a plain T5 checkpoint loads
 into the backbone. Which parameters train is declared as regexes over '/'-joined parameter
 paths (`frozen_patterns`, the format of `ktx.training.optimizers.freeze`):

@@ -3,7 +3,9 @@
 Both functions are model-agnostic: they drive `tokens_to_logits(ids, cache) -> (logits,
 new_cache)`, where `ids` `[N, 1]` are the previous tokens of `N` sequences and `logits`
 `[N, V]` score the next one. `cache` is any pytree whose leaves have the batch `N` as
-leading axis (scalar leaves, e.g. cache indices, are shared by all sequences). Sequences
+leading axis (scalar leaves, e.g. cache indices, are shared by all sequences); with
+`cache_batch_axis=a` (a scanned layer stack's cache: `[layers, N, ...]`, `a = 1`) the
+batch is axis `a` and leaves of at most `a` dimensions are shared. Sequences
 start from `decoder_start_id` (0 for T5) and stop at `eos_id`; tokens after a
 sequence's EOS are 0.
 
@@ -105,18 +107,20 @@ def _unflatten(x: jax.Array, batch_size: int) -> jax.Array:
     return x.reshape((batch_size, -1) + x.shape[1:])
 
 
-def _map_batched(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
-    """Applies `fn` to leaves with a batch axis; scalar leaves are shared, kept as is."""
-    return jax.tree.map(lambda x: fn(x) if jnp.ndim(x) > 0 else x, tree)
+def _map_batched(fn: Callable[[jax.Array], jax.Array], tree: Any, axis: int = 0) -> Any:
+    """Applies `fn` to leaves with a batch axis `axis`; leaves of at most `axis`
+    dimensions (scalars; a scanned stack's per-layer indices) are shared, kept as is."""
+    return jax.tree.map(lambda x: fn(x) if jnp.ndim(x) > axis else x, tree)
 
 
-def _gather_beams(tree: Any, beam_indices: jax.Array, batch_size: int, beams_in: int) -> Any:
-    """Selects beams: leaves `[B * beams_in, ...]` -> `[B * beams_out, ...]`.
-
-    `beam_indices` `[B, beams_out]` index into each example's `beams_in` beams.
+def _gather_beams(
+    tree: Any, beam_indices: jax.Array, batch_size: int, beams_in: int, axis: int = 0
+) -> Any:
+    """Selects beams: leaves `[B * beams_in, ...]` -> `[B * beams_out, ...]` (batch axis
+    `axis`). `beam_indices` `[B, beams_out]` index into each example's `beams_in` beams.
     """
     flat = (jnp.arange(batch_size)[:, None] * beams_in + beam_indices).reshape(-1)
-    return _map_batched(lambda x: jnp.take(x, flat, axis=0), tree)
+    return _map_batched(lambda x: jnp.take(x, flat, axis=axis), tree, axis)
 
 
 def _gather(x: jax.Array, indices: jax.Array) -> jax.Array:
@@ -144,6 +148,7 @@ def beam_search(
     alpha: float = 0.6,
     eos_id: int = 1,
     decoder_start_id: int = 0,
+    cache_batch_axis: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with the GNMT length penalty.
 
@@ -159,7 +164,8 @@ def beam_search(
     """
     _check(batch_size, max_decode_length, num_beams=num_beams)
     k = num_beams
-    cache = _map_batched(lambda x: jnp.repeat(x, k, axis=0), initial_cache)
+    axis = cache_batch_axis
+    cache = _map_batched(lambda x: jnp.repeat(x, k, axis=axis), initial_cache, axis)
     length = max_decode_length
     live_log_probs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch_size, 1))
     sequences = jnp.zeros((batch_size, k, length + 1), jnp.int32).at[:, :, 0].set(decoder_start_id)
@@ -199,7 +205,7 @@ def beam_search(
         live_candidates = top_log_probs + ended * NEG_INF
         new_live_log_probs, live_pick = lax.top_k(live_candidates, k)
         new_live_sequences = _gather(top_sequences, live_pick)
-        cache = _gather_beams(cache, _gather(top_beams, live_pick), batch_size, k)
+        cache = _gather_beams(cache, _gather(top_beams, live_pick), batch_size, k, axis)
 
         # Finished: merge the ended candidates with the previous finished set.
         new_scores = top_log_probs / brevity_penalty(alpha, s.index + 1) + (~ended) * NEG_INF

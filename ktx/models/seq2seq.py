@@ -414,4 +414,5 @@ class EncoderDecoderModel(BaseModel):
         return decoding.beam_search(
             tokens_to_logits, cache, bsz, max_decode_length, num_beams=num_beams,
             alpha=alpha, eos_id=self.eos_id, decoder_start_id=self.decoder_start_id,
+            cache_batch_axis=1 if self.config.scan_layers else 0,
         )

@@ -44,7 +44,11 @@ Extension points (task conditioning; when unused, the model is exactly plain T5.
 * `Transformer.encoder_cls / decoder_cls / encoder_layer_cls / decoder_layer_cls` are
   module fields: subclass `Encoder`, `Decoder`, `EncoderLayer` or `DecoderLayer` and pass
   the subclass. `Encoder.make_layer(index)` / `Decoder.make_layer(index)` build layer
-  `index` (override to hand shared modules to the layers).
+  `index` of an unrolled stack with `layer_fields()` (override that to hand shared modules
+  to the layers). A scanned stack (`T5Config.scan_layers`, `ktx.models.t5_stack`) builds
+  one layer module with `scan_fields()` and hands layer `i`'s slice of
+  `layer_inputs(task_id)` (leaves `[L, ...]`, computed outside the scan) to the hooks as
+  the keyword `layer_inputs`; unrolled hooks are called without it.
 * Hook methods on the layers, called inside their compact `__call__` (so they may create
   sub-modules and parameters):
     - `layer_norm(x, task_id, *, name)`: the pre-sub-block RMS norm; `RMSNorm.__call__`

@@ -1,0 +1,160 @@
+"""T5 parameter trees between the unrolled and the scanned layer layouts.
+
+Unrolled (`T5Config.scan_layers=False`, T5X's and Hugging Face's layout): one scope per
+layer, `encoder/layers_3/attention/query/kernel` `[E, H, D]`. Scanned (`scan_layers=True`,
+`ktx.models.t5_stack`): one scope for the stack, every parameter stacked on a leading
+layer axis, `encoder/layers/attention/query/kernel` `[L, E, H, D]`. The same holds for the
+decoder and for any other per-layer variable (the decode cache). Everything else (the
+embedding, the final norms, the relative position biases, `conditioning/`) is the same in
+both layouts.
+
+`convert_layout(tree, scanned=...)` is the one conversion, both ways: checkpoint import
+and export and restoring a checkpoint of one layout into a model of the other call it.
+It takes a nested mapping (flax `params`) or a flat `{'a/b/c': array}` mapping (the
+converters' form) and returns the same form; numpy leaves stay numpy.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SIDES", "convert_layout", "is_scanned", "num_layers"]
+
+SIDES = ("encoder", "decoder")
+_UNROLLED = re.compile(r"^((?:.*/)?)(encoder|decoder)/layers_(\d+)/(.+)$")
+_SCANNED = re.compile(r"^((?:.*/)?)(encoder|decoder)/layers/(.+)$")
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, path + "/"))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        *scopes, leaf = path.split("/")
+        for scope in scopes:
+            node = node.setdefault(scope, {})
+        node[leaf] = value
+    return tree
+
+
+def _is_flat(tree: Mapping[str, Any]) -> bool:
+    return any("/" in str(k) for k in tree) or not any(isinstance(v, Mapping) for v in tree.values())
+
+
+def _layouts(flat: Mapping[str, Any]) -> dict[tuple[str, str], set[str]]:
+    """`{(prefix, side): {"unrolled", "scanned"}}` found in `flat`'s paths."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for path in flat:
+        m = _UNROLLED.match(path)
+        if m:
+            found.setdefault((m.group(1), m.group(2)), set()).add("unrolled")
+            continue
+        m = _SCANNED.match(path)
+        if m:
+            found.setdefault((m.group(1), m.group(2)), set()).add("scanned")
+    for (prefix, side), kinds in found.items():
+        if len(kinds) > 1:
+            raise ValueError(
+                f"{prefix}{side}: holds both unrolled (layers_<i>/...) and scanned (layers/...) "
+                "parameters; a tree is in one layout")
+    return found
+
+
+def is_scanned(tree: Mapping[str, Any]) -> bool | None:
+    """True (scanned), False (unrolled), or None (no layer parameters) for `tree`."""
+    flat = tree if _is_flat(tree) else _flatten(tree)
+    kinds = {k for v in _layouts(flat).values() for k in v}
+    if len(kinds) > 1:
+        raise ValueError("the tree mixes unrolled and scanned layer stacks")
+    return None if not kinds else kinds == {"scanned"}
+
+
+def num_layers(tree: Mapping[str, Any], side: str) -> int:
+    """The number of layers of `side` ("encoder"/"decoder") in either layout (0: none)."""
+    flat = tree if _is_flat(tree) else _flatten(tree)
+    count = 0
+    for path, value in flat.items():
+        m = _UNROLLED.match(path)
+        if m and m.group(2) == side:
+            count = max(count, int(m.group(3)) + 1)
+        m = _SCANNED.match(path)
+        if m and m.group(2) == side:
+            count = max(count, int(np.shape(value)[0]))
+    return count
+
+
+def _stack(values: list[Any]) -> Any:
+    if all(isinstance(v, np.ndarray) for v in values):
+        return np.stack(values)
+    return jnp.stack([jnp.asarray(v) for v in values])
+
+
+def _to_scanned(flat: Mapping[str, Any]) -> dict[str, Any]:
+    groups: dict[tuple[str, str, str], dict[int, Any]] = {}
+    out = {}
+    for path, value in flat.items():
+        m = _UNROLLED.match(path)
+        if not m:
+            out[path] = value
+            continue
+        prefix, side, index, rest = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+        groups.setdefault((prefix, side, rest), {})[index] = value
+    sizes: dict[tuple[str, str], set[int]] = {}
+    for (prefix, side, rest), by_index in groups.items():
+        n = max(by_index) + 1
+        missing = sorted(set(range(n)) - set(by_index))
+        if missing:
+            raise ValueError(
+                f"{prefix}{side}/layers_<i>/{rest}: layers {missing} missing (have "
+                f"{sorted(by_index)}); cannot stack an incomplete layer stack")
+        sizes.setdefault((prefix, side), set()).add(n)
+        out[f"{prefix}{side}/layers/{rest}"] = _stack([by_index[i] for i in range(n)])
+    for (prefix, side), ns in sizes.items():
+        if len(ns) > 1:
+            raise ValueError(
+                f"{prefix}{side}: layers hold different parameter sets (counts {sorted(ns)})")
+    return out
+
+
+def _to_unrolled(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for path, value in flat.items():
+        m = _SCANNED.match(path)
+        if not m:
+            out[path] = value
+            continue
+        prefix, side, rest = m.group(1), m.group(2), m.group(3)
+        for i in range(np.shape(value)[0]):
+            out[f"{prefix}{side}/layers_{i}/{rest}"] = value[i]
+    return out
+
+
+def convert_layout(tree: Mapping[str, Any], *, scanned: bool) -> Any:
+    """`tree` (nested or flat parameters, or any per-layer collection) in the scanned
+    (`scanned=True`) or unrolled layout; a tree already in that layout is returned with
+    the same leaves. Non-layer entries are kept as they are."""
+    if not isinstance(scanned, bool):
+        raise TypeError(f"convert_layout: scanned={scanned!r}; accepted: True or False")
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"convert_layout: a mapping of parameters, got {type(tree).__name__}")
+    flat_in = _is_flat(tree)
+    flat = dict(tree) if flat_in else _flatten(tree)
+    _layouts(flat)
+    out = _to_scanned(flat) if scanned else _to_unrolled(flat)
+    return out if flat_in else _unflatten(out)
+

@@ -1,0 +1,211 @@
+"""Scan over layers (`T5Config.scan_layers`): an unrolled parameter tree converted to the
+scanned layout (`ktx.models.scan_layout.convert_layout`) gives the unrolled model's
+logits, losses and gradients, with remat too; greedy and beam decoding with the KV cache
+give the same sequences; every task-conditioning method gives the same numbers scanned;
+scanned parameters carry the never-sharded `layers` axis."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from ktx import partitioning
+from ktx.conditioning.model import ConditioningConfig, conditioned_model
+from ktx.models import scan_layout, seq2seq, t5
+
+CFG = t5.T5Config(
+    vocab_size=24, emb_dim=16, num_heads=2, num_encoder_layers=3, num_decoder_layers=2,
+    head_dim=8, mlp_dim=32, dropout_rate=0.1,
+)
+
+
+def _batch():
+    enc = np.array([[5, 6, 7, 1], [8, 9, 1, 0], [10, 1, 0, 0], [11, 12, 13, 1]], np.int32)
+    tgt = np.array([[11, 12, 1, 0], [14, 1, 0, 0], [15, 16, 17, 1], [3, 1, 0, 0]], np.int32)
+    dec_in = np.concatenate([np.zeros((4, 1), np.int32), tgt[:, :-1]], axis=1)
+    return {
+        "encoder_input_tokens": enc,
+        "decoder_input_tokens": dec_in * (tgt > 0),
+        "decoder_target_tokens": tgt,
+        "decoder_loss_weights": (tgt > 0).astype(np.float32),
+        "task_id": np.array([0, 1, 0, 1], np.int32),
+    }
+
+
+def _models(conditioning=None, remat="none", **cfg):
+    out = []
+    for scan in (False, True):
+        config = dataclasses.replace(CFG, scan_layers=scan, remat_policy=remat if scan else "none",
+                                     **cfg)
+        model = seq2seq.EncoderDecoderModel(config, num_tasks=2)
+        if conditioning is not None:
+            model = conditioned_model(model, conditioning)
+        out.append(model)
+    return out
+
+
+def _params(model):
+    return nn.unbox(model.init_variables(jax.random.key(0), _batch()))["params"]
+
+
+def _loss_and_grad(model, params):
+    batch = _batch()
+
+    def loss(p):
+        sums, _ = model.loss_sums(p, batch, None, False)
+        return sums.sum() / model.normalizer(batch).sum()
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def _close(a, b, rtol=2e-5, atol=1e-6):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def _check_same(unrolled, scanned):
+    params = _params(unrolled)
+    converted = scan_layout.convert_layout(params, scanned=True)
+    # The converted tree is exactly what the scanned model initialises (names, shapes).
+    init = _params(scanned)
+    assert jax.tree.structure(converted) == jax.tree.structure(init)
+    jax.tree.map(lambda a, b: np.testing.assert_equal(a.shape, b.shape), converted, init)
+    batch = _batch()
+    logits0 = unrolled.logits(params, batch)
+    logits1 = scanned.logits(converted, batch)
+    np.testing.assert_allclose(logits1, logits0, rtol=1e-5, atol=1e-5)
+    loss0, grad0 = _loss_and_grad(unrolled, params)
+    loss1, grad1 = _loss_and_grad(scanned, converted)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    _close(scan_layout.convert_layout(grad1, scanned=False), grad0)
+    return params, converted
+
+
+def test_scanned_equals_unrolled():
+    unrolled, scanned = _models()
+    params, converted = _check_same(unrolled, scanned)
+    kernel = converted["encoder"]["layers"]["attention"]["query"]["kernel"]
+    assert kernel.shape == (3, 16, 2, 8)
+    np.testing.assert_array_equal(
+        kernel[2], params["encoder"]["layers_2"]["attention"]["query"]["kernel"])
+    assert "layers_0" not in converted["decoder"]
+
+
+@pytest.mark.parametrize("remat", ["minimal", "full"])
+def test_scanned_with_remat_equals_unrolled(remat):
+    _check_same(*_models(remat=remat))
+
+
+def test_scanned_bfloat16_runs():
+    unrolled, scanned = _models(dtype="bfloat16")
+    params = scan_layout.convert_layout(_params(unrolled), scanned=True)
+    loss, _ = _loss_and_grad(scanned, params)
+    assert np.isfinite(loss)
+
+
+def test_scanned_dropout_is_per_row():
+    """Dropout in a scanned stack is keyed per row and differs per layer: the same rows
+    alone and inside a larger batch get the same loss."""
+    _, scanned = _models()
+    params = _params(scanned)
+    batch = {**_batch(), "row_id": np.arange(4, dtype=np.int32)}
+    rng = jax.random.key(7)
+    full = scanned.loss_sums(params, batch, rng, True)[0]
+    part = scanned.loss_sums(params, {k: v[:2] for k, v in batch.items()}, rng, True)[0]
+    rest = scanned.loss_sums(params, {k: v[2:] for k, v in batch.items()}, rng, True)[0]
+    np.testing.assert_allclose(part + rest, full, rtol=1e-5)
+    no_dropout = scanned.loss_sums(params, batch, None, False)[0]
+    assert not np.allclose(full, no_dropout)
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_decoding_with_cache_scanned(method):
+    unrolled, scanned = _models()
+    params = _params(unrolled)
+    converted = scan_layout.convert_layout(params, scanned=True)
+    batch = _batch()
+    kw = dict(decode_method=method, num_beams=3, max_decode_length=5, return_scores=True)
+    tokens0, scores0 = unrolled.predict_batch(params, batch, **kw)
+    tokens1, scores1 = scanned.predict_batch(converted, batch, **kw)
+    np.testing.assert_array_equal(tokens1, tokens0)
+    np.testing.assert_allclose(scores1, scores0, rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_parameters_carry_the_layers_axis():
+    _, scanned = _models()
+    boxed = scanned.init_variables(jax.random.key(0), _batch())["params"]
+    specs = nn.get_partition_spec(boxed)
+    assert tuple(specs["encoder"]["layers"]["mlp"]["wi_0"]["kernel"]) == ("layers", "embed", "mlp")
+    assert tuple(specs["decoder"]["layers"]["encoder_decoder_attention"]["out"]["kernel"]) == (
+        "layers", "heads", "kv", "embed")
+    rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
+    mesh_axes = nn.logical_to_mesh_axes(("layers", "embed", "mlp"), rules)
+    assert tuple(mesh_axes) == (None, "data", "model")
+
+
+def test_convert_layout_forms_and_errors():
+    unrolled, _ = _models()
+    params = jax.tree.map(np.asarray, _params(unrolled))
+    flat = {"/".join(k): v for k, v in _flat(params)}
+    flat_scanned = scan_layout.convert_layout(flat, scanned=True)
+    assert flat_scanned["decoder/layers/mlp/wo/kernel"].shape == (2, 32, 16)
+    assert isinstance(flat_scanned["decoder/layers/mlp/wo/kernel"], np.ndarray)
+    assert scan_layout.is_scanned(flat_scanned) is True
+    assert scan_layout.is_scanned(params) is False
+    assert scan_layout.num_layers(flat_scanned, "encoder") == 3
+    assert scan_layout.num_layers(params, "decoder") == 2
+    back = scan_layout.convert_layout(flat_scanned, scanned=False)
+    assert back.keys() == flat.keys()
+    for k in flat:
+        np.testing.assert_array_equal(back[k], flat[k])
+    # Already in the asked layout: unchanged.
+    again = scan_layout.convert_layout(flat_scanned, scanned=True)
+    assert again.keys() == flat_scanned.keys()
+    mixed = {**flat, "encoder/layers/mlp/wo/kernel": np.zeros((3, 32, 16))}
+    with pytest.raises(ValueError, match="both unrolled .* and scanned"):
+        scan_layout.convert_layout(mixed, scanned=True)
+    gap = {k: v for k, v in flat.items() if not k.startswith("encoder/layers_1/")}
+    with pytest.raises(ValueError, match=r"layers \[1\] missing"):
+        scan_layout.convert_layout(gap, scanned=True)
+
+
+def _flat(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def test_bad_scan_layers_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"T5Config\.scan_layers='yes'.*accepted: True or False"):
+        t5.T5Config(scan_layers="yes")
+
+
+_SMALL = dict(encoder_prompt_length=2, decoder_prompt_length=3, prompt_tuning_length=2,
+              reduction_factor=4, task_embed_dim=4, task_hidden_dim=8, projected_dim=4)
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("hyperprompt", {"hyperprompt_variant": "global"}),
+    ("hyperprompt", {"hyperprompt_variant": "share"}),
+    ("hyperprompt", {"hyperprompt_variant": "sep"}),
+    ("prompt_tuning", {}),
+    ("adapters", {"adapter_positions": ("attention", "cross_attention", "mlp")}),
+    ("hyperformer", {}),
+    ("hyperformer++", {}),
+])
+def test_conditioning_scanned_equals_unrolled(method, extra):
+    cond = ConditioningConfig(method=method, **_SMALL, **extra)
+    unrolled, scanned = _models(cond)
+    params, converted = _check_same(unrolled, scanned)
+    # The conditioning parameters are the same in both layouts.
+    assert "conditioning" in converted
+    jax.tree.map(np.testing.assert_array_equal, converted["conditioning"], params["conditioning"])
+    if method == "hyperprompt":  # decoding with prompts and the cache, scanned
+        kw = dict(decode_method="greedy", max_decode_length=4)
+        np.testing.assert_array_equal(
+            scanned.predict_batch(converted, _batch(), **kw),
+            unrolled.predict_batch(params, _batch(), **kw))
