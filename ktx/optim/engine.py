@@ -33,7 +33,7 @@ import numpy as np
 
 from ktx.optim.selection import shared_mask
 from ktx.optim.sparse import SparseLookups
-from ktx.optim.task_gradients import SparseRows, TaskGradients, leaf_combine
+from ktx.optim.task_gradients import SparseRows, TaskGradients, leaf_combine, task_sum
 
 __all__ = ["METHODS", "check_host_layout", "compute_task_gradients", "split_shared"]
 
@@ -49,7 +49,7 @@ def split_shared(stacked_grads: Any, params: Any, shared: Sequence[str] | str | 
     def total(g):
         if isinstance(g, SparseRows):
             return leaf_combine(g, jnp.ones((g.num_tasks,), jnp.float32))
-        return g.sum(axis=0)
+        return task_sum(g)
 
     stacked = jax.tree.map(lambda m, g: g if m else None, mask, stacked_grads)
     summed = jax.tree.map(lambda m, g: None if m else total(g), mask, stacked_grads)

@@ -13,9 +13,28 @@ What the authors' PyTorch `MTAdam` computes, per parameter tensor and task t, at
 
 MTAdam is itself the optimizer: chain it with a learning rate only, e.g.
 `optax.chain(ktx.optim.mtadam(), optax.scale_by_learning_rate(1e-3))` (the reference's
-step is `-lr * direction`). Its state holds `[T, *param]` moments per parameter (the
-method's cost). Unshared parameters take one Adam step on their summed gradient (moments
-in task slot 0).
+step is `-lr * direction`). Unshared parameters take one Adam step on their summed
+gradient (second moment in task slot 0).
+
+State, per parameter tensor (the same algorithm, stored so that no step has to touch
+`[T, *param]` more than the method needs):
+
+* `mu [*param]`: the *sum over tasks* of the first moments (the direction only uses
+  that sum, and the moment update is linear: `sum_t m_t <- b1 sum_t m_t + (1-b1) sum_t h_t`);
+* `nu [T, *param]`: every task's second moment (the element-wise max needs each);
+* `nu_max [*param]`: `max_t nu_t`;
+* `row_step [param.shape[0]]`: the step at which each row (along the first axis) was last
+  written. A row's true moments are `b1^(k - row_step) mu`, `b2^(k - row_step) nu` at step
+  k: a row no task's gradient touched decays without being written.
+
+A table's gradient given as `SparseRows` (the trainer's `sparse_tables`) is therefore
+applied *row-sparsely and exactly*: the reference's moments of a row with zero gradient
+only decay (`h = 0` there), so only the looked-up rows of `mu`, `nu`, `nu_max` are
+rescaled to step k and updated (`O(T * rows looked up * dim)`), and the direction
+`b1^age mu / bc1 / (sqrt(b2^age nu_max) / sqrt(bc2) + eps)` is one pass over `[rows, dim]`,
+like Adam's. This needs `weight_decay == 0` (with it, every element's `h` is non-zero every
+step): with weight decay the rows are densified and every element is updated, as the
+reference does. Results agree with the dense form to float32 rounding.
 
 A task absent from the batch (`task_present=` from the trainer, else every one of its
 shared gradients exactly zero) keeps its running norms: a zero norm says nothing about
@@ -45,10 +64,14 @@ from ktx.optim.num_tasks import (
     task_index,
 )
 from ktx.optim.task_gradients import (
+    SparseRows,
     flatten_task_gradients,
     leaf_dense,
+    leaf_sq_norms,
     nonzero_tasks,
     num_tasks_of,
+    task_max,
+    task_sum,
 )
 
 __all__ = ["MTAdamState", "mtadam", "ANCHOR_THRESHOLD"]
@@ -61,8 +84,10 @@ class MTAdamState(NamedTuple):
     count: jax.Array  # [] steps taken
     seen: jax.Array  # [T] int32 steps each task was present (its norm starts at the first)
     norms: Any  # params-structured [T] running gradient norms
-    mu: Any  # params-structured [T, *param]
-    nu: Any  # params-structured [T, *param]
+    mu: Any  # params-structured [*param]: sum over tasks of the first moments
+    nu: Any  # params-structured [T, *param]: per-task second moments
+    nu_max: Any  # params-structured [*param]: max over tasks of nu
+    row_step: Any  # params-structured int32 [param.shape[0]] ([] for a scalar): last write
 
 
 def _bias_correction(beta: float, count: jax.Array) -> jax.Array:
@@ -75,6 +100,18 @@ def _bias_correction(beta: float, count: jax.Array) -> jax.Array:
     else:
         log_beta = math.log(float(beta))
     return -jnp.where(count > 0, jnp.expm1(count.astype(jnp.float32) * log_beta), -1.0)
+
+
+def _decay(beta: Any, age: jax.Array) -> jax.Array:
+    """`beta^age` for integer ages >= 0 (exactly `beta` at age 1, the every-step case)."""
+    beta = jnp.asarray(beta, jnp.float32)
+    powered = jnp.exp(jnp.maximum(age, 1).astype(jnp.float32) * jnp.log(beta))
+    return jnp.where(age == 1, beta, jnp.where(age <= 0, 1.0, powered))
+
+
+def _rows(x: jax.Array, ndim: int) -> jax.Array:
+    """A per-row factor `[rows]` shaped to broadcast against `[rows, ...]` (ndim dims)."""
+    return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
 def _check_weights(weights: Sequence[float] | None) -> tuple[float, ...] | None:
@@ -131,13 +168,14 @@ def mtadam(
         params = nn.meta.unbox(params)  # [T]-shaped state takes no logical axes
         check_task_index(anchor, t, "anchor", "mtadam")
         _ranks(t)
-        moments = lambda p: jnp.zeros((t,) + p.shape, p.dtype)  # noqa: E731
         return MTAdamState(
             jnp.zeros([], jnp.int32),
             jnp.zeros((t,), jnp.int32),
             jax.tree.map(lambda _: jnp.zeros((t,), jnp.float32), params),
-            jax.tree.map(moments, params),
-            jax.tree.map(moments, params),
+            jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params),
+            jax.tree.map(lambda p: jnp.zeros((t,) + p.shape, p.dtype), params),
+            jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params),
+            jax.tree.map(lambda p: jnp.zeros(p.shape[:1], jnp.int32), params),
         )
 
     def update_fn(updates, state, params=None, *, task_present=None, **extra):
@@ -162,42 +200,95 @@ def mtadam(
         # Anchor candidates in order: the anchor, then the others by index.
         ids = jnp.arange(t)
         order = jnp.argsort(jnp.where(ids == anchor, -1, ids))
-        norms_l, mu_l, nu_l = (jax.tree.leaves(x) for x in (state.norms, state.mu, state.nu))
-        out, n_out, m_out, v_out = [], [], [], []
-        for s, u, n, m, v, p in zip(stacked, summed, norms_l, mu_l, nu_l, p_leaves):
-            shape = (t,) + (1,) * (m.ndim - 1)
-            if s is None:  # unshared: plain Adam in slot 0
+
+        def task_scales(sq, n):
+            """`(new running norms [T], h_t = scale_t * g_t factors [T])` of one tensor."""
+            norm = jnp.sqrt(sq)
+            running = jnp.where(first, norm, b3 * n + (1.0 - b3) * norm)
+            new_n = jnp.where(present, running, n)  # an absent task keeps its norm
+            valid = new_n > ANCHOR_THRESHOLD
+            a = order[jnp.argmax(valid[order])]
+            safe_n = jnp.where(valid, new_n, 1.0)
+            return new_n, jnp.where(valid, r * new_n[a] / safe_n, 1.0)
+
+        def direction(m_sum, v_max, f1, f2):
+            denom = jnp.sqrt(f2 * v_max.astype(jnp.float32)) / jnp.sqrt(bc2) + eps
+            return f1 * m_sum.astype(jnp.float32) / denom / bc1
+
+        leaves = [jax.tree.leaves(x) for x in
+                  (state.norms, state.mu, state.nu, state.nu_max, state.row_step)]
+        out, new = [], [[] for _ in leaves]
+        for s, u, p, n, m, v, vmax, last in zip(stacked, summed, p_leaves, *leaves):
+            nd = m.ndim
+            if isinstance(s, SparseRows) and not decay:
+                d, row_state = _sparse_rows_step(s, n, m, v, vmax, last, count, task_scales,
+                                                 direction, b1, b2)
+                out.append(d)
+                for lst, x in zip(new, row_state):
+                    lst.append(x)
+                continue
+            f1 = _rows(_decay(b1, count - last), nd)
+            f2 = _rows(_decay(b2, count - last), nd)
+            if s is None:  # unshared: plain Adam in slot 0 (the other slots stay 0)
                 g0 = u.astype(jnp.float32)
                 if decay:
                     g0 = g0 + weight_decay * p.astype(jnp.float32)
-                h = jnp.zeros(m.shape, jnp.float32).at[0].set(g0)
                 new_n = n
+                new_m = f1 * m.astype(jnp.float32) + (1.0 - b1) * g0
+                new_v0 = f2 * v[0].astype(jnp.float32) + (1.0 - b2) * g0 * g0
+                new_v = v.at[0].set(new_v0.astype(v.dtype))
+                new_vmax = new_v0
             else:
                 g = leaf_dense(s).astype(jnp.float32)
-                norm = jnp.sqrt(jnp.sum(jnp.square(g).reshape(t, -1), axis=1))
-                running = jnp.where(first, norm, b3 * n + (1.0 - b3) * norm)
-                new_n = jnp.where(present, running, n)  # an absent task keeps its norm
-                valid = new_n > ANCHOR_THRESHOLD
-                a = order[jnp.argmax(valid[order])]
-                coef = r * new_n[a]
-                safe_n = jnp.where(valid, new_n, 1.0)
-                h = jnp.where(valid.reshape(shape),
-                              coef.reshape(shape) * g / safe_n.reshape(shape), g)
+                new_n, scale = task_scales(jnp.sum(jnp.square(g).reshape(t, -1), axis=1), n)
+                shape = (t,) + (1,) * nd
+                h = scale.reshape(shape) * g
+                h_sum = task_sum(h)
                 if decay:
-                    h = h + weight_decay * p.astype(jnp.float32)[None]
-            new_m = b1 * m.astype(jnp.float32) + (1.0 - b1) * h
-            new_v = b2 * v.astype(jnp.float32) + (1.0 - b2) * h * h
-            denom = jnp.sqrt(new_v) / jnp.sqrt(bc2) + eps
-            direction = jnp.sum(new_m, axis=0) / jnp.max(denom, axis=0) / bc1
-            out.append(direction.astype(m.dtype))
-            n_out.append(new_n)
-            m_out.append(new_m.astype(m.dtype))
-            v_out.append(new_v.astype(v.dtype))
+                    wd = weight_decay * p.astype(jnp.float32)
+                    h = h + wd[None]
+                    h_sum = h_sum + t * wd
+                new_m = f1 * m.astype(jnp.float32) + (1.0 - b1) * h_sum
+                new_v = f2[None] * v.astype(jnp.float32) + (1.0 - b2) * h * h
+                new_vmax = task_max(new_v)
+                new_v = new_v.astype(v.dtype)
+            out.append(direction(new_m, new_vmax, 1.0, 1.0).astype(m.dtype))
+            for lst, x in zip(new, (new_n, new_m.astype(m.dtype), new_v,
+                                    new_vmax.astype(vmax.dtype), jnp.full_like(last, count))):
+                lst.append(x)
         sdef = jax.tree.structure(state.norms)
         new_state = MTAdamState(
-            count, state.seen + present.astype(jnp.int32), sdef.unflatten(n_out),
-            sdef.unflatten(m_out), sdef.unflatten(v_out),
+            count, state.seen + present.astype(jnp.int32),
+            *(sdef.unflatten(lst) for lst in new),
         )
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sparse_rows_step(x: SparseRows, n, m, v, vmax, last, count, task_scales, direction, b1, b2):
+    """One exact MTAdam step of a table from its looked-up rows (no weight decay).
+
+    The looked-up rows (every task's, duplicates across tasks allowed) are brought to
+    step `count` (`b^(count - row_step)`, all tasks of a row at once), the tasks' `h` rows
+    are added (`mu`: their sum; `nu`: per task, `h^2` of the merged row), `nu_max` is
+    recomputed for those rows; every other row only decays, through its `row_step`."""
+    t, k, dim = x.rows.shape
+    rows = x.rows.astype(jnp.float32)
+    new_n, scale = task_scales(leaf_sq_norms(x), n)
+    h = scale[:, None, None] * rows  # [T, k, dim]
+    idx = x.indices.reshape(-1)  # [T * k]
+    age = count - last[idx]
+    f1, f2 = _decay(b1, age)[:, None], _decay(b2, age)[:, None]
+    # Rescale the touched rows to this step (duplicate indices write equal values).
+    m = m.at[idx].set((f1 * m[idx].astype(jnp.float32)).astype(m.dtype))
+    v = v.at[:, idx].set((f2[None] * v[:, idx].astype(jnp.float32)).astype(v.dtype))
+    last = last.at[idx].set(count)
+    m = m.at[idx].add(((1.0 - b1) * h.reshape(t * k, dim)).astype(m.dtype))
+    tid = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
+    v = v.at[tid, x.indices].add(((1.0 - b2) * h * h).astype(v.dtype))
+    vmax = vmax.at[idx].set(task_max(v[:, idx]))
+    f1_all = _rows(_decay(b1, count - last), 2)
+    f2_all = _rows(_decay(b2, count - last), 2)
+    d = direction(m, vmax, f1_all, f2_all).astype(m.dtype)
+    return d, (new_n, m, v, vmax, last)

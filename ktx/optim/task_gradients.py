@@ -46,6 +46,8 @@ __all__ = [
     "global_gram",
     "combine_with_weights",
     "nonzero_tasks",
+    "task_sum",
+    "task_max",
 ]
 
 
@@ -143,6 +145,24 @@ def num_tasks_of(stacked_leaves: list) -> int:
             if sizes else "per-task gradients hold no stacked (shared) parameter"
         )
     return sizes.pop()
+
+
+def task_sum(x: jax.Array) -> jax.Array:
+    """`x.sum(axis=0)` over a (static, small) leading task axis, as `x[0] + x[1] + ...`:
+    the same left-to-right sum, but XLA:CPU reduces a leading axis element by element
+    (~100x slower than these T-1 fused additions on a `[4, 32128, 32]` gradient)."""
+    out = x[0]
+    for t in range(1, x.shape[0]):
+        out = out + x[t]
+    return out
+
+
+def task_max(x: jax.Array) -> jax.Array:
+    """`x.max(axis=0)` over a leading task axis, unrolled (see `task_sum`)."""
+    out = x[0]
+    for t in range(1, x.shape[0]):
+        out = jnp.maximum(out, x[t])
+    return out
 
 
 def leaf_sq_norms(x: Any) -> jax.Array:
