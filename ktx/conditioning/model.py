@@ -81,7 +81,7 @@ METHODS = ("none", "hyperprompt", "prompt_tuning", "adapters", "hyperformer", "h
 ADAPTER_POSITIONS = ("attention", "cross_attention", "mlp")  # in layer order
 # T5's own (RMS) layer norms: the pre-norms of every sub-block and the final norms.
 T5_LAYER_NORM_PATTERN = (
-    r"(?:encoder|decoder)/(?:layers_\d+/pre_\w*layer_norm|encoder_norm|decoder_norm)/scale"
+    r"(?:encoder|decoder)/(?:layers(?:_\d+)?/pre_\w*layer_norm|encoder_norm|decoder_norm)/scale"
 )
 _SIDES = ("encoder", "decoder")
 

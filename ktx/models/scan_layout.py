@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SIDES", "convert_layout", "is_scanned", "num_layers"]
+__all__ = ["SIDES", "convert_layout", "is_scanned", "layout_mismatch", "num_layers"]
 
 SIDES = ("encoder", "decoder")
 _UNROLLED = re.compile(r"^((?:.*/)?)(encoder|decoder)/layers_(\d+)/(.+)$")
@@ -158,3 +158,21 @@ def convert_layout(tree: Mapping[str, Any], *, scanned: bool) -> Any:
     out = _to_scanned(flat) if scanned else _to_unrolled(flat)
     return out if flat_in else _unflatten(out)
 
+
+
+def layout_mismatch(saved: Any, expected: Any, where: str) -> str | None:
+    """A one-line message when the parameter paths `saved` (a checkpoint's) and
+    `expected` (the model's) hold their layer stacks in different layouts, else None.
+
+    Restoring across layouts by name would silently miss every layer parameter (a new
+    run would re-initialise them), so the restore paths call this first.
+    """
+    have, want = is_scanned(dict.fromkeys(saved, 0)), is_scanned(dict.fromkeys(expected, 0))
+    if have is None or want is None or have == want:
+        return None
+    names = {True: "scanned (encoder/layers/..., stacked)", False: "unrolled (encoder/layers_<i>/...)"}
+    return (
+        f"checkpoint {where} holds the {names[have]} layer layout but the model is "
+        f"{names[want]}: set T5Config.scan_layers={have} (gin macro SCAN_LAYERS) to match it, "
+        "or convert the checkpoint with ktx.models.scan_layout.convert_layout"
+    )

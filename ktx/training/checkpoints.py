@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from ktx.models import scan_layout
 from ktx.runs.run_dir import RunDir
 from ktx.training.summaries import quiet_absl
 from ktx.training.trainer import TrainState
@@ -116,6 +117,11 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _mismatch_message(where: str, saved: dict, expected: dict, missing_ok: bool) -> str | None:
+    # A scanned checkpoint and an unrolled model (or the reverse) share no layer names:
+    # say so, instead of re-initialising every layer (missing_ok) or listing them all.
+    layout = scan_layout.layout_mismatch(saved, expected, where)
+    if layout:
+        return layout
     lines = []
     for path, shape in expected.items():
         if path not in saved:

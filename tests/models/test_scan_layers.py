@@ -209,3 +209,40 @@ def test_conditioning_scanned_equals_unrolled(method, extra):
         np.testing.assert_array_equal(
             scanned.predict_batch(converted, _batch(), **kw),
             unrolled.predict_batch(params, _batch(), **kw))
+
+
+def test_frozen_layer_norm_pattern_matches_both_layouts():
+    """HyperFormer's configuration (backbone frozen but T5's layer norms) trains the same
+    parameters scanned as unrolled."""
+    import re
+
+    from ktx.conditioning.model import trainable_mask
+    from ktx.treepath import name
+
+    cond = ConditioningConfig(method="hyperformer++", **_SMALL)
+    unrolled, scanned = _models(cond)
+
+    def trained(model):
+        mask = trainable_mask(_params(model), train_backbone=False, train_layer_norms=True)
+        return {re.sub(r"layers_\d+", "layers", name(p))
+                for p, m in jax.tree_util.tree_leaves_with_path(mask) if m}
+
+    names = trained(unrolled)
+    assert "encoder/layers/pre_mlp_layer_norm/scale" in names
+    assert trained(scanned) == names
+
+
+def test_checkpoint_of_the_other_layout_is_a_clear_error(tmp_path):
+    from ktx.training import checkpoints
+    from ktx.training.trainer import TrainState
+
+    unrolled, scanned = _models()
+    params = scan_layout.convert_layout(_params(unrolled), scanned=True)
+    manager = checkpoints.CheckpointManager(tmp_path, save_period=1)
+    manager.save(TrainState(step=np.int32(1), params=params, opt_state=()), force=True)
+    manager.wait()
+    init = _params(unrolled)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
+    with pytest.raises(checkpoints.CheckpointShapeError,
+                       match=r"holds the scanned .* model is unrolled .*scan_layers=True"):
+        checkpoints.load_initial_params(tmp_path, abstract, init)
