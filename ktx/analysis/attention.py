@@ -76,6 +76,11 @@ def attention_statistics(
 
 def _layer_probs(intermediates: Mapping[str, Any], side: str) -> list[jax.Array]:
     stack = intermediates.get(side, {})
+    if "layers" in stack:  # a scanned stack (T5Config.scan_layers): sown [L, ...] at once
+        sown = stack["layers"].get(_SIDES[side], {}).get("attention_weights")
+        if sown is None:
+            raise ValueError(f"no attention_weights sown for {side}/layers/{_SIDES[side]}")
+        return list(sown[0])
     layers = sorted((k for k in stack if k.startswith("layers_")), key=lambda k: int(k[7:]))
     out = []
     for name in layers:

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from ktx.models.t5 import ACTIVATION_DTYPES
+from ktx.models.t5_stack import check_remat_policy, layer_class
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, VOCAB
 
 __all__ = [
@@ -98,7 +99,10 @@ class BertConfig:
 
     `dropout_rate` / `attention_dropout_rate` are transformers' `hidden_dropout_prob` /
     `attention_probs_dropout_prob` (0.1 in every BERT checkpoint). `dtype` is the
-    activation dtype ("float32" or "bfloat16"); parameters stay float32.
+    activation dtype ("float32" or "bfloat16"); parameters stay float32. `remat_policy`
+    rematerialises each layer of `BertEncoder` and `SharedTopLayers` as T5's does
+    (`ktx.models.t5_stack`: "none" | "minimal" | "full", same numbers); the encoder
+    methods' own layers (CA-MTL, PALs) do not rematerialise yet.
     """
 
     vocab_size: int = 30522
@@ -113,6 +117,7 @@ class BertConfig:
     dropout_rate: float = 0.1
     attention_dropout_rate: float = 0.1
     dtype: str = "float32"
+    remat_policy: str = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -135,6 +140,7 @@ class BertConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"BertConfig.{name}={value!r}: must be in [0, 1)")
+        check_remat_policy(self.remat_policy, "BertConfig.remat_policy")
         if self.dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"BertConfig.dtype={self.dtype!r}; accepted: {sorted(ACTIVATION_DTYPES)}")
 
@@ -344,6 +350,7 @@ class BertMLMHead(nn.Module):
 
 
 SHARED_LAYERS_SCOPE = "shared_layers"
+_STATIC_ARGNUMS = (3,)  # BertLayer.__call__'s `deterministic` (self = 0), for nn.remat
 
 
 class SharedTopLayers(nn.Module):
@@ -358,8 +365,9 @@ class SharedTopLayers(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array, deterministic: bool) -> Array:
         c = self.config
+        layer_cls = layer_class(BertLayer, c.remat_policy, _STATIC_ARGNUMS, scanned=False)
         for i in range(self.num_layers):
-            x = BertLayer(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+            x = layer_cls(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
                           c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate,
                           c.activation_dtype, name=f"layers_{i}")(x, mask, deterministic)
         return x
@@ -406,8 +414,9 @@ class BertEncoder(nn.Module):
         self.embeddings = BertEmbeddings(
             c.vocab_size, c.hidden_size, c.max_position, c.type_vocab_size, c.layer_norm_eps,
             c.dropout_rate, dtype)
+        layer_cls = layer_class(BertLayer, c.remat_policy, _STATIC_ARGNUMS, scanned=False)
         self.layers = [
-            BertLayer(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+            layer_cls(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
                       c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
                       name=f"layers_{i}")
             for i in range(c.num_layers)

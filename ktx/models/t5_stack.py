@@ -40,7 +40,7 @@ def check_remat_policy(
     gin binding) and the gin macro of the model files that sets it."""
     if not isinstance(value, str) or value not in REMAT_POLICIES:
         raise ValueError(
-            f"{where}={value!r} (gin macro {macro} of gin/models/t5_1_1_*.gin); accepted: "
+            f"{where}={value!r} (gin macro {macro} of gin/models/*.gin); accepted: "
             f"{REMAT_POLICIES}")
     return value
 

@@ -144,3 +144,38 @@ def test_microbatched_step_matches():
 def test_bad_policy_is_a_clear_error(bad):
     with pytest.raises(ValueError, match=r"T5Config\.remat_policy=.*accepted: \('none', 'minimal', 'full'\)"):
         t5.T5Config(remat_policy=bad)
+
+
+@pytest.mark.parametrize("policy", ["minimal", "full"])
+def test_bert_encoder_same_loss_and_gradients(policy):
+    from ktx.models import bert, encoder
+
+    def model(p):
+        config = bert.BertConfig(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2,
+                                 intermediate_size=32, max_position=16, remat_policy=p)
+        return encoder.EncoderClassifierModel(config, num_labels=(3, 1), shared_layers=1)
+
+    ids = (np.arange(32).reshape(4, 8) * 7) % 39 + 1
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32),
+             "token_type_ids": jnp.zeros((4, 8), jnp.int32),
+             "label": jnp.asarray([0.0, 2.0, 0.5, -0.5]),
+             "task_id": jnp.asarray([0, 0, 1, 1], jnp.int32),
+             "row_id": jnp.arange(4, dtype=jnp.int32)}
+    plain = model("none")
+    params = nn.unbox(plain.init_variables(jax.random.key(0), batch)["params"])
+
+    def loss_grad(m):
+        return jax.jit(jax.value_and_grad(
+            lambda p: m.loss_sums(p, batch, jax.random.key(2), True)[0].sum()))(params)
+
+    remat = model(policy)
+    assert jax.tree.structure(
+        nn.unbox(remat.init_variables(jax.random.key(0), batch)["params"])) == jax.tree.structure(params)
+    (l0, g0), (l1, g1) = loss_grad(plain), loss_grad(remat)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    _close(g1, g0)
+    text = str(jax.make_jaxpr(jax.grad(
+        lambda p: remat.loss_sums(p, batch, jax.random.key(2), True)[0].sum()))(params))
+    assert text.count("checkpoint[") + text.count("remat2[") + text.count("remat[") >= 3
+    with pytest.raises(ValueError, match=r"BertConfig\.remat_policy='x'.*accepted"):
+        bert.BertConfig(remat_policy="x")

@@ -246,3 +246,21 @@ def test_checkpoint_of_the_other_layout_is_a_clear_error(tmp_path):
     with pytest.raises(checkpoints.CheckpointShapeError,
                        match=r"holds the scanned .* model is unrolled .*scan_layers=True"):
         checkpoints.load_initial_params(tmp_path, abstract, init)
+
+
+def test_attention_analysis_scanned_equals_unrolled():
+    from ktx.analysis.attention import analyze_attention
+
+    cond = ConditioningConfig(method="hyperprompt", **_SMALL)
+    unrolled, scanned = _models(cond)
+    params = _params(unrolled)
+    converted = scan_layout.convert_layout(params, scanned=True)
+    batch = _batch()
+    r0 = analyze_attention(unrolled, params, [batch], task="t")
+    r1 = analyze_attention(scanned, converted, [batch], task="t")
+    assert len(r1["encoder"]) == 3 and len(r1["decoder"]) == 2
+    for side in ("encoder", "decoder"):
+        for a, b in zip(r0[side], r1[side]):
+            assert a["layer"] == b["layer"]
+            np.testing.assert_allclose(b["prompt_mass"], a["prompt_mass"], rtol=1e-5)
+            np.testing.assert_allclose(b["token_entropy"], a["token_entropy"], rtol=1e-5)
