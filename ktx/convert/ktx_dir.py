@@ -23,10 +23,12 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from ktx.convert import layout
 from ktx.convert.atomic import atomic_directory
+from ktx.convert.lazy import place
 from ktx.convert import hf_bert
 from ktx.convert.hf_bert import is_hf_bert, read_hf_bert
 from ktx.convert.hf_t5 import Imported, read_hf_t5, write_hf_t5
@@ -138,7 +140,7 @@ def write_ktx_checkpoint(
     from ktx.convert import camtl
     from ktx.training.trainer import TrainState
 
-    flat = {k: np.asarray(v, np.float32) for k, v in layout.flatten(params).items()}
+    flat = dict(layout.flatten(params))  # arrays or LazyArrays: only shapes are checked here
     if isinstance(config, camtl.CaMtlCheckpointConfig):
         camtl.check_params(flat, config, where=source or "the parameters")
         gin_text, meta = camtl.model_gin(config, source), {"camtl_config": camtl.config_to_dict(config)}
@@ -148,10 +150,14 @@ def write_ktx_checkpoint(
     else:
         layout.check_params(flat, config, where=source or "the parameters")
         gin_text, meta = model_gin(config, source), {"t5_config": layout.config_to_dict(config)}
+    # One float32 copy, as host-side jax arrays that orbax writes without another copy;
+    # LazyArrays are read tensor by tensor into it.
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    arrays = {k: place(v, cpu, np.float32) for k, v in flat.items()}
     with atomic_directory(out) as tmp:
         (tmp / "model.gin").write_text(gin_text)
         manager = CheckpointManager(tmp, save_period=1)
-        state = TrainState(step=np.int32(0), params=layout.unflatten(flat), opt_state=())
+        state = TrainState(step=np.int32(0), params=layout.unflatten(arrays), opt_state=())
         manager.save(state, force=True, meta={"source": source, **meta})
         manager.close()
     return pathlib.Path(out).expanduser().absolute()
@@ -160,7 +166,7 @@ def write_ktx_checkpoint(
 def import_checkpoint(source: str | os.PathLike, out: str | os.PathLike) -> pathlib.Path:
     """`ktx import`: converts `hf:DIR` / `t5x:DIR` into the ktx checkpoint directory
     `out`; returns its absolute path. Nothing is written when reading fails."""
-    imported = load_source(source)
+    imported = load_source(source, lazy=True)
     return write_ktx_checkpoint(imported.params, imported.config, out, source=imported.source)
 
 
@@ -245,15 +251,17 @@ def export_checkpoint(
     else:
         raise ValueError(f"the model of {step_dir} ({type(config).__name__}) has no Hugging Face "
                          "or T5X counterpart; exportable: T5 (T5Config) and BERT (BertConfig) models")
+    label = ("Hugging Face " if prefix == "hf" else "T5X ") + (
+        "BERT" if isinstance(config, BertConfig) else "T5")
     left_out = sorted(k for k in flat if k not in known)
     if left_out and not backbone_only:
         shown = ", ".join(left_out[:8]) + (f", ... ({len(left_out)} in all)" if len(left_out) > 8 else "")
         raise ValueError(
-            f"{len(left_out)} parameters of {step_dir} have no {prefix} counterpart: {shown}. "
+            f"{len(left_out)} parameters of {step_dir} have no {label} counterpart: {shown}. "
             "Export the backbone alone with --backbone_only (library: backbone_only=True); "
             "the task-conditioned parameters alone go to conditioning:FILE")
     if left_out:
-        print(f"left out (no {prefix} counterpart): {', '.join(left_out)}", flush=True)
+        print(f"left out (no {label} counterpart): {', '.join(left_out)}", flush=True)
     params = layout.unflatten({k: v for k, v in flat.items() if k in known})
     if isinstance(config, BertConfig):
         return hf_bert.write_hf_bert(params, config, path)

@@ -122,13 +122,13 @@ def test_export_names_what_has_no_counterpart(tmp_path, capsys):
     manager.save(TrainState(step=np.int32(7), params=convert.unflatten(flat), opt_state=()),
                  force=True, meta={"bert_config": hf_bert.config_to_dict(imported.config)})
     manager.close()
-    with pytest.raises(ValueError, match=r"1 parameters .* no hf counterpart: task_heads/task_0/kernel"):
+    with pytest.raises(ValueError, match=r"1 parameters .* no Hugging Face BERT counterpart: task_heads/task_0/kernel"):
         convert.export_checkpoint(tmp_path / "run", f"hf:{tmp_path / 'a'}")
     assert not (tmp_path / "a").exists()
     with pytest.raises(ValueError, match="exports to 'hf:DIR' only"):
         convert.export_checkpoint(tmp_path / "run", f"t5x:{tmp_path / 'b'}")
     assert cli.main(["export", str(tmp_path / "run"), f"hf:{tmp_path / 'c'}", "--backbone_only"]) == 0
-    assert "left out (no hf counterpart): task_heads/task_0/kernel" in capsys.readouterr().out
+    assert "left out (no Hugging Face BERT counterpart): task_heads/task_0/kernel" in capsys.readouterr().out
     assert "task_heads" not in str(sorted(_tensors(tmp_path / "c" / "model.safetensors")))
 
     t5 = convert.read_hf_t5(checkpoint_fixture("hf_t5_v1_1_tiny"))
