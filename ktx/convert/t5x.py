@@ -85,7 +85,8 @@ def _lazy_array(step_dir: pathlib.Path, name: str, value: Any) -> LazyArray:
             "copy the checkpoint to a local directory first"
         )
     folder = pathlib.Path(kvstore["path"])
-    folder = folder if folder.is_absolute() else step_dir / folder
+    # normalized: TensorStore refuses paths with "..", as a relative source gives them
+    folder = pathlib.Path(os.path.normpath(folder if folder.is_absolute() else step_dir / folder))
     if not folder.is_dir():
         raise FileNotFoundError(f"{step_dir}: the array folder of {name} ({folder}) does not exist")
     spec = {"driver": value["driver"], "kvstore": {"driver": "file", "path": str(folder)}}

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from ktx import treepath
+from ktx.training.factoring import as_matrices
 
 __all__ = [
     "Schedule",
@@ -113,10 +114,11 @@ def adafactor(
     """Adafactor (Shazeer & Stern, 2018) with T5X's defaults: factored second moments,
     decay rate 0.8, update clipping at 1.0, updates scaled by the parameter RMS, no
     momentum. `learning_rate` is a float or a schedule (T5X pairs it with
-    `rsqrt_schedule`)."""
+    `rsqrt_schedule`). Kernels of rank > 2 (attention heads split) are factored as the
+    matrices T5X stores (`ktx.training.factoring.as_matrices`), so a step equals T5X's."""
     if not callable(learning_rate):
         _check_positive("learning_rate", learning_rate)
-    return optax.adafactor(
+    return as_matrices(optax.adafactor(
         learning_rate=learning_rate,
         min_dim_size_to_factor=min_dim_size_to_factor,
         decay_rate=decay_rate,
@@ -126,7 +128,7 @@ def adafactor(
         eps=epsilon1,
         factored=factored,
         weight_decay_rate=weight_decay_rate,
-    )
+    ))
 
 
 def adamw(
