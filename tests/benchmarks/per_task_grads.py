@@ -9,8 +9,9 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
   balancer in `ktx.optim.BALANCERS`, timed interleaved: each repeat times `--steps`
   steps of every configuration, in an order rotated from repeat to repeat; the ratio is
   median balanced step time / median plain step time (min and median per config also
-  reported). Goals: MetaBalance and the loss-weighting balancers <= 1.05x, PCGrad, MGDA
-  and MTAdam <= 1.10x.
+  reported; `trainer_path_ms.<model>.min_ratio`: min balanced / min plain, the figure
+  least moved by other processes on a shared machine). Goals: MetaBalance and the
+  loss-weighting balancers <= 1.05x, PCGrad, MGDA and MTAdam <= 1.10x.
 * `engine`: the bare engine (`compute_task_gradients` blocks / vjp + MetaBalance) against
   `jax.value_and_grad(model.loss_fn)`, with XLA's temporary memory of each.
 
@@ -200,11 +201,13 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
             runs[name][1] = state
     base = statistics.median(times["plain"])
     out = {"plain_ms": {"median": round(base * 1e3, 3), "min": round(min(times["plain"]) * 1e3, 3)}}
-    ratios = {}
+    ratios, min_ratios = {}, {}
     for name in names:
         med = statistics.median(times[name])
         ratios[name] = round(med / base, 3)
+        min_ratios[name] = round(min(times[name]) / min(times["plain"]), 3)
         out[f"{name}_ms"] = {"median": round(med * 1e3, 3), "min": round(min(times[name]) * 1e3, 3)}
+    out["min_ratio"] = min_ratios
     return ratios, out
 
 
