@@ -320,7 +320,8 @@ class InitReport:
 
 
 def load_initial_params(
-    path: str | os.PathLike, abstract_params: Any, init_params: Any, step: int | None = None
+    path: str | os.PathLike, abstract_params: Any, init_params: Any, step: int | None = None,
+    *, convert_layout: bool = True,
 ) -> tuple[Any, InitReport]:
     """Params for a new run starting from another run's checkpoint.
 
@@ -333,6 +334,10 @@ def load_initial_params(
       init_params: freshly initialized params (same tree), used where the checkpoint
         has no such parameter; or a function `names -> {path: array}` giving only those
         (`Trainer.init_params`), so the restored ones are never initialized.
+      convert_layout: a ktx checkpoint whose T5 layer stacks are in the other layout
+        (scanned vs unrolled, `T5Config.scan_layers`) is converted on the way in
+        (`ktx.models.scan_layout.convert_layout`, on the host); False: that is a
+        CheckpointShapeError naming the layouts.
 
     Returns `(params, report)`. Raises CheckpointShapeError listing every parameter
     present in both with different shapes.
@@ -344,6 +349,8 @@ def load_initial_params(
     step_dir = resolve_checkpoint(path, step)
     saved = saved_param_shapes(step_dir)
     expected = _flat_shapes(abstract_params)
+    if convert_layout and scan_layout.layout_mismatch(saved, expected, str(step_dir)):
+        return _load_initial_params_converted(step_dir, abstract_params, init_params)
     message = _mismatch_message(str(step_dir), saved, expected, missing_ok=True)
     if message:
         raise CheckpointShapeError(message)
@@ -366,6 +373,57 @@ def load_initial_params(
     leaves = [restored_flat[param_path(p)] if ok else fresh[param_path(p)]
               for (p, _), ok in zip(flat_abstract, present)]
     report = InitReport(str(step_dir), restored_paths, initialized, unused)
+    _log.info(report.summary())
+    return jax.tree.unflatten(treedef, leaves), report
+
+
+def _load_initial_params_converted(
+    step_dir: pathlib.Path, abstract_params: Any, init_params: Any
+) -> tuple[Any, InitReport]:
+    """`load_initial_params` from a ktx checkpoint in the other layer layout: its
+    parameters are read to the host, converted (`scan_layout.convert_layout`) and placed
+    with the model's shardings (each process copies only its own shards)."""
+    import numpy as np
+
+    def read():
+        with quiet_absl("Metadata file does not exist"):
+            metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
+        tree = getattr(metadata, "item_metadata", metadata)
+        tree = getattr(tree, "tree", tree)
+        item = {"params": jax.tree.map(lambda _: 0, tree["params"])}
+        args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                       tree["params"])}
+        return ocp.PyTreeCheckpointer().restore(
+            step_dir / "state",
+            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
+        )["params"]
+
+    saved_tree = _reading(step_dir, read)
+    flat = {param_path(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+    expected = _flat_shapes(abstract_params)
+    want = scan_layout.is_scanned(dict.fromkeys(expected, 0))
+    flat = scan_layout.convert_layout(flat, scanned=bool(want))
+    saved = {k: tuple(v.shape) for k, v in flat.items()}
+    message = _mismatch_message(str(step_dir), saved, expected, missing_ok=True)
+    if message:
+        raise CheckpointShapeError(message)
+    flat_abstract, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    initialized = tuple(param_path(p) for p, _ in flat_abstract if param_path(p) not in flat)
+    fresh = _fresh(init_params, flat_abstract, initialized)
+    leaves, restored = [], []
+    for p, a in flat_abstract:
+        name = param_path(p)
+        if name in flat:
+            value = flat[name].astype(a.dtype)
+            sharding = getattr(a, "sharding", None)
+            leaves.append(jax.device_put(value) if sharding is None else
+                          jax.make_array_from_callback(value.shape, sharding, value.__getitem__))
+            restored.append(name)
+        else:
+            leaves.append(fresh[name])
+    unused = tuple(sorted(set(saved) - set(expected)))
+    report = InitReport(f"{step_dir} (layer layout converted)", tuple(restored), initialized, unused)
     _log.info(report.summary())
     return jax.tree.unflatten(treedef, leaves), report
 

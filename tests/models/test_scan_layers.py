@@ -232,20 +232,30 @@ def test_frozen_layer_norm_pattern_matches_both_layouts():
     assert trained(scanned) == names
 
 
-def test_checkpoint_of_the_other_layout_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("saved_scanned", [True, False])
+def test_initial_checkpoint_of_the_other_layout(tmp_path, saved_scanned):
+    """INITIAL_CHECKPOINT_PATH of the other layer layout is converted on the way in; with
+    conversion off it is one clear error (not a silent re-initialisation of the layers)."""
     from ktx.training import checkpoints
     from ktx.training.trainer import TrainState
 
     unrolled, scanned = _models()
-    params = scan_layout.convert_layout(_params(unrolled), scanned=True)
+    source = _params(unrolled)
+    saved = scan_layout.convert_layout(source, scanned=saved_scanned)
     manager = checkpoints.CheckpointManager(tmp_path, save_period=1)
-    manager.save(TrainState(step=np.int32(1), params=params, opt_state=()), force=True)
+    manager.save(TrainState(step=np.int32(1), params=saved, opt_state=()), force=True)
     manager.wait()
-    init = _params(unrolled)
+    target = scanned if not saved_scanned else unrolled
+    init = jax.tree.map(np.zeros_like, _params(target))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
-    with pytest.raises(checkpoints.CheckpointShapeError,
-                       match=r"holds the scanned .* model is unrolled .*scan_layers=True"):
-        checkpoints.load_initial_params(tmp_path, abstract, init)
+    params, report = checkpoints.load_initial_params(tmp_path, abstract, init)
+    assert not report.initialized and not report.unused
+    expected = scan_layout.convert_layout(source, scanned=not saved_scanned)
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    want = r"holds the scanned .* model is unrolled .*scan_layers=True" if saved_scanned else (
+        r"holds the unrolled .* model is scanned .*scan_layers=False")
+    with pytest.raises(checkpoints.CheckpointShapeError, match=want):
+        checkpoints.load_initial_params(tmp_path, abstract, init, convert_layout=False)
 
 
 def test_attention_analysis_scanned_equals_unrolled():
