@@ -70,7 +70,9 @@ Extension points (task conditioning; when unused, the model is exactly plain T5.
 
 Decoding uses a key/value cache (collection `"cache"`): call `decode(..., decode=True)`
 once with full-length `[B, Ld]` decoder inputs and `mutable=["cache"]` to create it (or
-`jax.eval_shape` that call), then once per step with `[B, 1]` inputs.
+`jax.eval_shape` that call), then once per step with `[B, 1]` inputs. With
+`T5Config.scan_layers` the layers' cache variables are stacked `[L, B, ...]` (the batch is
+axis 1: `decoding.beam_search(cache_batch_axis=1)`).
 """
 
 from __future__ import annotations
