@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="with --coordinator_address")
             c.add_argument("--process_id", type=int, default=None,
                            help="with --coordinator_address")
+            c.add_argument("--heartbeat_timeout", type=int, default=100,
+                           help="--multihost: seconds without a heartbeat after which a process "
+                                "counts as dead and every other process exits non-zero "
+                                "(jax.distributed's heartbeat_timeout_seconds)")
     commands["precompile"].add_argument(
         "--topology", default=None,
         help="a TPU topology as JAX names it (v4:4x4x4, v5e:16x16) or cpu")
@@ -135,7 +139,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 _DEFAULTS = dict(args=[], gin_file=[], gin_search_paths="", multihost=False, topology=None,
-                 coordinator_address=None, num_processes=None, process_id=None, out=None,
+                 coordinator_address=None, num_processes=None, process_id=None, heartbeat_timeout=100,
+                 out=None,
                  checkpoint=None, backbone_only=False, task=None, out_dir=None, split="validation", max_examples=100)
 
 
@@ -194,12 +199,16 @@ def _run(args, bindings) -> int:
     if args.multihost:
         import jax
 
+        if args.heartbeat_timeout < 1:
+            raise ValueError(f"--heartbeat_timeout={args.heartbeat_timeout}; accepted: seconds >= 1")
+
         # On TPU pods, SLURM and other managed clusters JAX finds the coordinator itself;
         # elsewhere (launch/multiprocess.sh) the three flags name it.
         jax.distributed.initialize(
             coordinator_address=args.coordinator_address,
             num_processes=args.num_processes,
             process_id=args.process_id,
+            heartbeat_timeout_seconds=args.heartbeat_timeout,
         )
     files = parse_gin(args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p])
     from ktx.data import files as data_files

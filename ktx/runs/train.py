@@ -243,7 +243,7 @@ def train(
         started_callback()
     dropout_rng = jax.random.split(jax.random.key(seed))[1]
 
-    writer = MetricsWriter(run.root)
+    writer = MetricsWriter(run.root, resume_step=start)
     metrics = TrainMetrics(writer, task_names, train_steps=train_steps, start_step=start,
                            log_period=log_period, checkpoint_dir=checkpoints.directory,
                            last_good=checkpoints.latest_step())

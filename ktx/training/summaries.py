@@ -102,18 +102,26 @@ def per_task_metrics(
 class MetricsWriter:
     """Appends to `<directory>/metrics.jsonl` and TensorBoard events in `directory`.
 
+    Only process 0 writes (every process computes the same global metrics).
+
     Args:
       directory: where `metrics.jsonl` and the event files go.
       tensorboard: also write TensorBoard scalars (clu's SummaryWriter).
+      resume_step: the step a run (re)starts from: records of later steps, written by a
+        run that died before its next checkpoint, describe steps that will be computed
+        again; they are removed (the count is printed) so that no step has two records.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, tensorboard: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, tensorboard: bool = True,
+                 resume_step: int | None = None):
         self.directory = pathlib.Path(directory)
         self.is_chief = jax.process_index() == 0
         self._tb = None
         self._file: TextIO | None = None
         if self.is_chief:
             self.directory.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                _drop_records_after(RunDir(self.directory).metrics, resume_step)
             self._file = open(RunDir(self.directory).metrics, "a", encoding="utf-8")
             if tensorboard:
                 from clu import metric_writers
@@ -154,6 +162,32 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _drop_records_after(path: pathlib.Path, step: int) -> None:
+    """Rewrites `metrics.jsonl` without the records of steps after `step` (atomically)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno == len(lines) and not line.endswith("\n"):
+                continue  # cut short by the crash that ended the previous run
+            raise ValueError(f"{path}:{lineno}: not a JSON record ({e})") from e
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    print(f"{path}: removed {len(lines) - len(kept)} records of steps after {step} "
+          "(written after the last checkpoint, computed again now)", flush=True)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
