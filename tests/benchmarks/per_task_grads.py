@@ -5,12 +5,14 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
 (`ktx.models.seq2seq`):
 
 * `trainer_path`: the compiled step `ktx train` runs (`ktx.training.trainer.Trainer.train_step`,
-  Adam, diagnostics at the default log period of 100 steps), plain and with every
+  Adam after the balancer, but a bare learning rate after MTAdam, which is itself the
+  optimizer, as its gin files chain it; diagnostics at the default log period of 100 steps), plain and with every
   balancer in `ktx.optim.BALANCERS`, timed interleaved: each repeat times `--steps`
   steps of every configuration, in an order rotated from repeat to repeat; the ratio is
   median balanced step time / median plain step time (min and median per config also
   reported; `trainer_path_ms.<model>.min_ratio`: min balanced / min plain, the figure
-  least moved by other processes on a shared machine). Goals: MetaBalance and the
+  least moved by other processes on a shared machine; `cpu_ratio`: the same median ratio of
+  this process's CPU time per step, which waiting for a core does not inflate). Goals: MetaBalance and the
   loss-weighting balancers <= 1.05x, PCGrad, MGDA and MTAdam <= 1.10x.
 * `engine`: the bare engine (`compute_task_gradients` blocks / vjp + MetaBalance) against
   `jax.value_and_grad(model.loss_fn)`, with XLA's temporary memory of each.
@@ -170,6 +172,12 @@ def _balancer(name):
     return factory(**kwargs)
 
 
+def _optimizer(name):
+    """Adam after every balancer but MTAdam, which is itself the optimizer: its gin files
+    (gin/optim/mtadam.gin, the recsys study's) chain it with a bare learning rate."""
+    return optax.scale_by_learning_rate(1e-3) if name == "mtadam" else optax.adam(1e-3)
+
+
 def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None):
     """Interleaved timing of `Trainer.train_step`, plain and with every balancer."""
     from ktx.training.trainer import Trainer
@@ -179,7 +187,7 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     configs = {"plain": None, **{name: name for name in names}}
     runs = {}
     for name, balancer in configs.items():
-        tr = Trainer(model, optax.adam(1e-3), balancer=None if balancer is None else _balancer(balancer),
+        tr = Trainer(model, _optimizer(balancer), balancer=None if balancer is None else _balancer(balancer),
                      shared=getattr(model, "shared_param_patterns", None),
                      sparse_tables=sparse if balancer is not None else None,
                      diagnostics_period=100)
@@ -188,16 +196,18 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
         jax.block_until_ready(m["loss"])
         runs[name] = [tr, state]
     times = {name: [] for name in configs}
+    cpu = {name: [] for name in configs}
     order = list(configs)
     for r in range(repeats):
         rotated = order[r % len(order):] + order[: r % len(order)]
         for name in rotated:
             tr, state = runs[name]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)
             jax.block_until_ready(m["loss"])
             times[name].append((time.perf_counter() - t0) / steps)
+            cpu[name].append((time.process_time() - c0) / steps)
             runs[name][1] = state
     base = statistics.median(times["plain"])
     out = {"plain_ms": {"median": round(base * 1e3, 3), "min": round(min(times["plain"]) * 1e3, 3)}}
@@ -208,6 +218,9 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
         min_ratios[name] = round(min(times[name]) / min(times["plain"]), 3)
         out[f"{name}_ms"] = {"median": round(med * 1e3, 3), "min": round(min(times[name]) * 1e3, 3)}
     out["min_ratio"] = min_ratios
+    base_cpu = statistics.median(cpu["plain"])
+    out["cpu_ratio"] = {name: round(statistics.median(cpu[name]) / base_cpu, 3) for name in names}
+    out["plain_cpu_ms"] = round(base_cpu * 1e3, 3)
     return ratios, out
 
 
