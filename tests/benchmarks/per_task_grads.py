@@ -12,7 +12,9 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
   median balanced step time / median plain step time (min and median per config also
   reported; `trainer_path_ms.<model>.min_ratio`: min balanced / min plain, the figure
   least moved by other processes on a shared machine; `cpu_ratio`: the same median ratio of
-  this process's CPU time per step, which waiting for a core does not inflate). Goals: MetaBalance and the
+  this process's CPU time per step, which waiting for a core does not inflate; with
+  `--cost`, `bytes_ratio`: XLA's estimate of the bytes the compiled step accesses,
+  balanced / plain, which no load moves). Goals: MetaBalance and the
   loss-weighting balancers <= 1.05x, PCGrad, MGDA and MTAdam <= 1.10x.
 * `engine`: the bare engine (`compute_task_gradients` blocks / vjp + MetaBalance) against
   `jax.value_and_grad(model.loss_fn)`, with XLA's temporary memory of each.
@@ -178,14 +180,24 @@ def _optimizer(name):
     return optax.scale_by_learning_rate(1e-3) if name == "mtadam" else optax.adam(1e-3)
 
 
-def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None):
+def _bytes_accessed(tr, state, host_batch, counts):
+    """XLA's estimate of the bytes the compiled step reads and writes (load-independent;
+    an in-place scatter counts its whole operand)."""
+    compiled = tr.lower_train_step(state, tr.global_batch(host_batch, counts),
+                                   jax.random.key(1), tr._capacity).compile()
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    return float(analysis["bytes accessed"])
+
+
+def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None, cost=False):
     """Interleaved timing of `Trainer.train_step`, plain and with every balancer."""
     from ktx.training.trainer import Trainer
 
     host_batch = jax.device_get(batch)
     names = list(balancers or ko.BALANCERS)
     configs = {"plain": None, **{name: name for name in names}}
-    runs = {}
+    runs, nbytes = {}, {}
     for name, balancer in configs.items():
         tr = Trainer(model, _optimizer(balancer), balancer=None if balancer is None else _balancer(balancer),
                      shared=getattr(model, "shared_param_patterns", None),
@@ -195,6 +207,8 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
         state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)  # compile
         jax.block_until_ready(m["loss"])
         runs[name] = [tr, state]
+        if cost:
+            nbytes[name] = _bytes_accessed(tr, state, host_batch, counts)
     times = {name: [] for name in configs}
     cpu = {name: [] for name in configs}
     order = list(configs)
@@ -221,6 +235,9 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     base_cpu = statistics.median(cpu["plain"])
     out["cpu_ratio"] = {name: round(statistics.median(cpu[name]) / base_cpu, 3) for name in names}
     out["plain_cpu_ms"] = round(base_cpu * 1e3, 3)
+    if cost:
+        out["plain_mb_accessed"] = round(nbytes["plain"] / 1e6, 1)
+        out["bytes_ratio"] = {name: round(nbytes[name] / nbytes["plain"], 3) for name in names}
     return ratios, out
 
 
@@ -267,6 +284,8 @@ def main(argv=None):
     p.add_argument("--t5_rows_per_task", type=int, default=4)
     p.add_argument("--skip_engine", action="store_true", help="only the trainer path")
     p.add_argument("--balancers", default="", help="comma-separated subset of ktx.optim.BALANCERS")
+    p.add_argument("--cost", action="store_true",
+                   help="also XLA's bytes accessed per step, balanced / plain (compiles twice)")
     args = p.parse_args(argv)
     trainer_ratios, trainer_times = {}, {}
     for key, setup, per_task in (("t5_tiny", _t5_setup, args.t5_rows_per_task),
@@ -275,7 +294,7 @@ def main(argv=None):
         counts = (per_task,) * T
         trainer_ratios[key], trainer_times[key] = trainer_path(
             model, batch, counts, args.steps, args.repeats, sparse,
-            [b for b in args.balancers.split(",") if b] or None)
+            [b for b in args.balancers.split(",") if b] or None, args.cost)
         print(json.dumps({"trainer_path": {key: trainer_ratios[key]}}), flush=True)
     result = {
         "benchmark": "per_task_grads",
