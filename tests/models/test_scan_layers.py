@@ -323,3 +323,30 @@ def test_packed_inputs_scanned_equal_unrolled():
               "decoder_segment_ids": np.tile(seg, (4, 1)), "decoder_positions": pos}
     np.testing.assert_allclose(scanned.logits(converted, packed), unrolled.logits(params, packed),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_train_steps_scanned_equal_unrolled_with_adam():
+    """Two real train steps (`train_step`, microbatched) with an elementwise optimizer give
+    the same parameters in both layouts. (Adafactor differs: its parameter scale and
+    factoring see a stacked `[L, ...]` tensor as one parameter; docs/scale.md.)"""
+    import optax
+
+    from ktx.training import trainer as trainer_lib
+    from ktx.training.optimizers import TaskOptimizer
+
+    cfg = dict(dropout_rate=0.0)
+    unrolled, scanned = _models(**cfg)
+    params = _params(unrolled)
+    opt = TaskOptimizer(optax.adam(1e-2))
+    batch = _batch()
+    out = {}
+    for model, p in ((unrolled, params), (scanned, scan_layout.convert_layout(params, scanned=True))):
+        state = trainer_lib.TrainState(step=np.int32(0), params=p, opt_state=opt.init(p))
+        step = jax.jit(lambda s, model=model: trainer_lib.train_step(
+            s, batch, jax.random.key(1), model=model, optimizer=opt,
+            options=trainer_lib.StepOptions(num_microbatches=2)))
+        for _ in range(2):
+            state, metrics = step(state)
+        out[model.config.scan_layers] = (metrics["loss"], state.params)
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
+    _close(scan_layout.convert_layout(out[True][1], scanned=False), out[False][1], rtol=1e-4, atol=1e-6)
