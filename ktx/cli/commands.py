@@ -132,7 +132,7 @@ def _precompile_command(args) -> int:
             raise GinConfigError(f"ktx precompile needs --gin.{name}=...")
     kwargs = {k: _resolve_reference(bound[k]) for k in (
         "model", "optimizer", "balancer", "num_partitions", "num_microbatches", "grad_method",
-        "shared", "additional_rules", "target_task") if k in bound}
+        "shared", "additional_rules", "parameter_partitioning_dims", "target_task") if k in bound}
     try:
         report = precompile_lib.precompile(
             topology=topology, batch_size=int(batch_size), task_feature_lengths=dict(lengths),

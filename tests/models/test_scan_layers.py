@@ -350,3 +350,28 @@ def test_train_steps_scanned_equal_unrolled_with_adam():
         out[model.config.scan_layers] = (metrics["loss"], state.params)
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
     _close(scan_layout.convert_layout(out[True][1], scanned=False), out[False][1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("min_dim", [2, 128])  # factored; full second moments
+def test_train_steps_scanned_equal_unrolled_with_adafactor(min_dim):
+    """Adafactor treats the stacked `layers` axis as T5X does (a batch of parameters:
+    `ktx.training.factoring.as_matrices`), so a scanned run takes the unrolled run's
+    steps: factoring, parameter scale and update clipping per layer."""
+    from ktx.training import trainer as trainer_lib
+    from ktx.training.optimizers import TaskOptimizer, adafactor
+
+    unrolled, scanned = _models(dropout_rate=0.0)
+    params = _params(unrolled)
+    opt = TaskOptimizer(adafactor(1e-1, min_dim_size_to_factor=min_dim))
+    batch = _batch()
+    out = {}
+    for model, p in ((unrolled, params), (scanned, scan_layout.convert_layout(params, scanned=True))):
+        state = trainer_lib.TrainState(step=np.int32(0), params=p, opt_state=opt.init(p))
+        step = jax.jit(lambda s, model=model: trainer_lib.train_step(
+            s, batch, jax.random.key(1), model=model, optimizer=opt,
+            options=trainer_lib.StepOptions()))
+        for _ in range(2):
+            state, metrics = step(state)
+        out[model.config.scan_layers] = (metrics["loss"], state.params)
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
+    _close(scan_layout.convert_layout(out[True][1], scanned=False), out[False][1], rtol=1e-4, atol=1e-6)
