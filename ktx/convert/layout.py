@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ktx.models.t5 import T5Config
+from ktx.treepath import flatten, unflatten  # noqa: F401 - part of this module's API
 
 __all__ = [
     "read_config_file",
@@ -31,30 +32,6 @@ __all__ = [
     "config_to_dict",
     "config_from_dict",
 ]
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`{'/'-joined path: leaf}` of nested dicts."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
-            out.update(flatten(value, path))
-        else:
-            out[path] = value
-    return out
-
-
-def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Nested dicts from `{'/'-joined path: leaf}` (inverse of `flatten`)."""
-    out: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = out
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
 
 
 def _mlp_names(config: T5Config) -> list[str]:

@@ -23,33 +23,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ktx.treepath import flatten, unflatten
+
 __all__ = ["SIDES", "convert_layout", "is_scanned", "layout_mismatch", "num_layers"]
 
 SIDES = ("encoder", "decoder")
 _UNROLLED = re.compile(r"^((?:.*/)?)(encoder|decoder)/layers_(\d+)/(.+)$")
 _SCANNED = re.compile(r"^((?:.*/)?)(encoder|decoder)/layers/(.+)$")
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, path + "/"))
-        else:
-            flat[path] = value
-    return flat
-
-
-def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        *scopes, leaf = path.split("/")
-        for scope in scopes:
-            node = node.setdefault(scope, {})
-        node[leaf] = value
-    return tree
 
 
 def _is_flat(tree: Mapping[str, Any]) -> bool:
@@ -77,7 +57,7 @@ def _layouts(flat: Mapping[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 def is_scanned(tree: Mapping[str, Any]) -> bool | None:
     """True (scanned), False (unrolled), or None (no layer parameters) for `tree`."""
-    flat = tree if _is_flat(tree) else _flatten(tree)
+    flat = tree if _is_flat(tree) else flatten(tree)
     kinds = {k for v in _layouts(flat).values() for k in v}
     if len(kinds) > 1:
         raise ValueError("the tree mixes unrolled and scanned layer stacks")
@@ -86,7 +66,7 @@ def is_scanned(tree: Mapping[str, Any]) -> bool | None:
 
 def num_layers(tree: Mapping[str, Any], side: str) -> int:
     """The number of layers of `side` ("encoder"/"decoder") in either layout (0: none)."""
-    flat = tree if _is_flat(tree) else _flatten(tree)
+    flat = tree if _is_flat(tree) else flatten(tree)
     count = 0
     for path, value in flat.items():
         m = _UNROLLED.match(path)
@@ -153,10 +133,10 @@ def convert_layout(tree: Mapping[str, Any], *, scanned: bool) -> Any:
     if not isinstance(tree, Mapping):
         raise TypeError(f"convert_layout: a mapping of parameters, got {type(tree).__name__}")
     flat_in = _is_flat(tree)
-    flat = dict(tree) if flat_in else _flatten(tree)
+    flat = dict(tree) if flat_in else flatten(tree)
     _layouts(flat)
     out = _to_scanned(flat) if scanned else _to_unrolled(flat)
-    return out if flat_in else _unflatten(out)
+    return out if flat_in else unflatten(out)
 
 
 

@@ -14,6 +14,7 @@ import pytest
 from ktx import partitioning
 from ktx.conditioning.model import ConditioningConfig, conditioned_model
 from ktx.models import scan_layout, seq2seq, t5
+from tests.models.t5_batches import tiny_t5_batch
 
 CFG = t5.T5Config(
     vocab_size=24, emb_dim=16, num_heads=2, num_encoder_layers=3, num_decoder_layers=2,
@@ -22,16 +23,7 @@ CFG = t5.T5Config(
 
 
 def _batch():
-    enc = np.array([[5, 6, 7, 1], [8, 9, 1, 0], [10, 1, 0, 0], [11, 12, 13, 1]], np.int32)
-    tgt = np.array([[11, 12, 1, 0], [14, 1, 0, 0], [15, 16, 17, 1], [3, 1, 0, 0]], np.int32)
-    dec_in = np.concatenate([np.zeros((4, 1), np.int32), tgt[:, :-1]], axis=1)
-    return {
-        "encoder_input_tokens": enc,
-        "decoder_input_tokens": dec_in * (tgt > 0),
-        "decoder_target_tokens": tgt,
-        "decoder_loss_weights": (tgt > 0).astype(np.float32),
-        "task_id": np.array([0, 1, 0, 1], np.int32),
-    }
+    return tiny_t5_batch((0, 1, 0, 1))
 
 
 def _models(conditioning=None, remat="none", **cfg):

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from ktx.models import seq2seq, t5
+from tests.models.t5_batches import tiny_t5_batch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SMALL = t5.T5Config(
@@ -22,16 +23,7 @@ SMALL = t5.T5Config(
 
 
 def _batch():
-    enc = np.array([[5, 6, 7, 1], [8, 9, 1, 0], [10, 1, 0, 0], [11, 12, 13, 1]], np.int32)
-    tgt = np.array([[11, 12, 1, 0], [14, 1, 0, 0], [15, 16, 17, 1], [3, 1, 0, 0]], np.int32)
-    dec_in = np.concatenate([np.zeros((4, 1), np.int32), tgt[:, :-1]], axis=1)
-    return {
-        "encoder_input_tokens": enc,
-        "decoder_input_tokens": dec_in * (tgt > 0),
-        "decoder_target_tokens": tgt,
-        "decoder_loss_weights": (tgt > 0).astype(np.float32),
-        "task_id": np.array([0, 1, 0, 2], np.int32),
-    }
+    return tiny_t5_batch((0, 1, 0, 2))
 
 
 @functools.lru_cache(maxsize=None)
