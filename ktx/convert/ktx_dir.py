@@ -17,6 +17,7 @@ binding MODEL to the matching `ktx.models.camtl.CaMtlClassifierModel`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -235,9 +236,15 @@ def export_checkpoint(
     """
     from ktx.models.bert import BertConfig
 
+    from ktx.models import scan_layout
+
     prefix, path = _split_target(out)
     flat, recorded, step_dir = read_ktx_checkpoint(source, step)
+    # A scanned run (T5Config.scan_layers) exports in the unrolled layout both formats use.
+    flat = scan_layout.convert_layout(flat, scanned=False)
     config = recorded if config is None else config
+    if isinstance(config, T5Config) and config.scan_layers:
+        config = dataclasses.replace(config, scan_layers=False)
     if config is None:
         backbone = {k: v for k, v in flat.items() if not k.startswith("conditioning/")}
         config = layout.config_from_params(backbone, where=str(step_dir))

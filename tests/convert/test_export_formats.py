@@ -136,3 +136,30 @@ def test_export_names_what_has_no_counterpart(tmp_path, capsys):
     with pytest.raises(ValueError, match="1 parameters have no place in T5X's T5: conditioning/prompts"):
         t5x.write_t5x(params, t5.config, tmp_path / "d")
     assert not (tmp_path / "d").exists()
+
+
+def test_export_of_a_scanned_checkpoint_is_the_unrolled_export(tmp_path):
+    """A run with scanned layers exports the same Hugging Face and T5X checkpoints as its
+    unrolled twin (the formats hold one tensor per layer)."""
+    import dataclasses
+
+    from ktx.models import scan_layout
+    from ktx.training.checkpoints import CheckpointManager
+    from ktx.training.trainer import TrainState
+
+    imported = convert.read_hf_t5(checkpoint_fixture("hf_t5_v1_1_tiny"))
+    stacked = scan_layout.convert_layout(imported.params, scanned=True)
+    manager = CheckpointManager(tmp_path / "run", save_period=1)
+    manager.save(TrainState(step=np.int32(3), params=stacked, opt_state=()), force=True)
+    manager.close()
+    config = dataclasses.replace(imported.config, scan_layers=True)
+    convert.export_checkpoint(tmp_path / "run", f"hf:{tmp_path / 'hf'}", config=config)
+    convert.write_hf_t5(imported.params, imported.config, tmp_path / "hf_unrolled")
+    ours, theirs = _tensors(tmp_path / "hf" / "model.safetensors"), _tensors(tmp_path / "hf_unrolled" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
+    step_dir = convert.export_checkpoint(tmp_path / "run", f"t5x:{tmp_path / 't5x'}", config=config)
+    back = convert.flatten(convert.read_t5x(step_dir).params)
+    for k, v in convert.flatten(imported.params).items():
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
