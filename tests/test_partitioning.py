@@ -49,9 +49,11 @@ def synthetic_batch(step, batch_size=B):
     }
 
 
-def _losses(mesh, steps=3):
-    model = tiny_model()
-    tr = Trainer(model, optimizers.adafactor(learning_rate=0.05), mesh=mesh)
+def train_losses(mesh, steps=3, *, model=None, rules=None):
+    """`([steps, T] task losses, final state)` of `steps` Adafactor steps of `model`
+    (default `tiny_model()`) on `mesh` with `rules` (default: the standard rules)."""
+    model = tiny_model() if model is None else model
+    tr = Trainer(model, optimizers.adafactor(learning_rate=0.05), mesh=mesh, rules=rules)
     state = tr.init_state(jax.random.key(0), synthetic_batch(0))
     out = []
     for step in range(steps):
@@ -62,10 +64,10 @@ def _losses(mesh, steps=3):
 
 def test_2x4_mesh_matches_single_device():
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
-    single, _ = _losses(partitioning.create_mesh(1, devices=jax.devices()[:1]))
+    single, _ = train_losses(partitioning.create_mesh(1, devices=jax.devices()[:1]))
     mesh = partitioning.create_mesh(4)
     assert dict(mesh.shape) == {"data": 2, "model": 4}
-    sharded, state = _losses(mesh)
+    sharded, state = train_losses(mesh)
     np.testing.assert_allclose(sharded, single, atol=1e-4, rtol=1e-4)
     assert not np.allclose(single[0], single[-1]), "the model must actually train"
     # At least one parameter is split over the model axis.

@@ -12,9 +12,7 @@ import pytest
 
 from ktx import partitioning
 from ktx.models import seq2seq, t5
-from ktx.training import optimizers
-from ktx.training.trainer import Trainer
-from tests.test_partitioning import synthetic_batch
+from tests.test_partitioning import train_losses
 
 VOCAB = 64
 
@@ -29,13 +27,7 @@ def _model():
 
 def _losses(mesh, dims, steps=3):
     rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
-    tr = Trainer(_model(), optimizers.adafactor(learning_rate=0.05), mesh=mesh, rules=rules)
-    state = tr.init_state(jax.random.key(0), synthetic_batch(0))
-    out = []
-    for step in range(steps):
-        state, m = tr.train_step(state, synthetic_batch(step), jax.random.key(1))
-        out.append(np.asarray(jax.device_get(m["task_losses"])))
-    return np.stack(out), state
+    return train_losses(mesh, steps, model=_model(), rules=rules)
 
 
 def test_rules_split_embed_over_data():
