@@ -317,31 +317,34 @@ def test_packed_inputs_scanned_equal_unrolled():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_train_steps_scanned_equal_unrolled_with_adam():
-    """Two real train steps (`train_step`, microbatched) with an elementwise optimizer give
-    the same parameters in both layouts. (Adafactor differs: its parameter scale and
-    factoring see a stacked `[L, ...]` tensor as one parameter; docs/scale.md.)"""
-    import optax
-
+def _assert_two_steps_agree(optimizer, **step_options):
+    """Two real train steps (`train_step`) of `optimizer` give the same loss and
+    parameters unrolled and scanned."""
     from ktx.training import trainer as trainer_lib
     from ktx.training.optimizers import TaskOptimizer
 
-    cfg = dict(dropout_rate=0.0)
-    unrolled, scanned = _models(**cfg)
+    unrolled, scanned = _models(dropout_rate=0.0)
     params = _params(unrolled)
-    opt = TaskOptimizer(optax.adam(1e-2))
+    opt = TaskOptimizer(optimizer)
     batch = _batch()
     out = {}
     for model, p in ((unrolled, params), (scanned, scan_layout.convert_layout(params, scanned=True))):
         state = trainer_lib.TrainState(step=np.int32(0), params=p, opt_state=opt.init(p))
         step = jax.jit(lambda s, model=model: trainer_lib.train_step(
             s, batch, jax.random.key(1), model=model, optimizer=opt,
-            options=trainer_lib.StepOptions(num_microbatches=2)))
+            options=trainer_lib.StepOptions(**step_options)))
         for _ in range(2):
             state, metrics = step(state)
         out[model.config.scan_layers] = (metrics["loss"], state.params)
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
     _close(scan_layout.convert_layout(out[True][1], scanned=False), out[False][1], rtol=1e-4, atol=1e-6)
+
+
+def test_train_steps_scanned_equal_unrolled_with_adam():
+    """An elementwise optimizer, microbatched steps."""
+    import optax
+
+    _assert_two_steps_agree(optax.adam(1e-2), num_microbatches=2)
 
 
 @pytest.mark.parametrize("min_dim", [2, 128])  # factored; full second moments
@@ -349,21 +352,6 @@ def test_train_steps_scanned_equal_unrolled_with_adafactor(min_dim):
     """Adafactor treats the stacked `layers` axis as T5X does (a batch of parameters:
     `ktx.training.factoring.as_matrices`), so a scanned run takes the unrolled run's
     steps: factoring, parameter scale and update clipping per layer."""
-    from ktx.training import trainer as trainer_lib
-    from ktx.training.optimizers import TaskOptimizer, adafactor
+    from ktx.training.optimizers import adafactor
 
-    unrolled, scanned = _models(dropout_rate=0.0)
-    params = _params(unrolled)
-    opt = TaskOptimizer(adafactor(1e-1, min_dim_size_to_factor=min_dim))
-    batch = _batch()
-    out = {}
-    for model, p in ((unrolled, params), (scanned, scan_layout.convert_layout(params, scanned=True))):
-        state = trainer_lib.TrainState(step=np.int32(0), params=p, opt_state=opt.init(p))
-        step = jax.jit(lambda s, model=model: trainer_lib.train_step(
-            s, batch, jax.random.key(1), model=model, optimizer=opt,
-            options=trainer_lib.StepOptions()))
-        for _ in range(2):
-            state, metrics = step(state)
-        out[model.config.scan_layers] = (metrics["loss"], state.params)
-    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
-    _close(scan_layout.convert_layout(out[True][1], scanned=False), out[False][1], rtol=1e-4, atol=1e-6)
+    _assert_two_steps_agree(adafactor(1e-1, min_dim_size_to_factor=min_dim))
