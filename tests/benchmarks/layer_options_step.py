@@ -30,13 +30,13 @@ from ktx.models import scan_layout, seq2seq, t5
 from ktx.training import optimizers
 from ktx.training.trainer import Trainer
 
+from compile_time import SHAPES as T5_1_1_SHAPES  # this folder is on sys.path
+
+# The published T5.1.1 shapes (compile_time.py, run beside this script), plus a tiny one.
 SHAPES = {
     "t5_1_1_tiny": dict(emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,
                         num_encoder_layers=2, num_decoder_layers=2),
-    "t5_1_1_small": dict(emb_dim=512, num_heads=6, head_dim=64, mlp_dim=1024,
-                         num_encoder_layers=8, num_decoder_layers=8),
-    "t5_1_1_base": dict(emb_dim=768, num_heads=12, head_dim=64, mlp_dim=2048,
-                        num_encoder_layers=12, num_decoder_layers=12),
+    **T5_1_1_SHAPES,
 }
 VARIANTS = (("unrolled", "none"), ("scanned", "none"), ("unrolled", "minimal"),
             ("unrolled", "full"), ("scanned", "minimal"), ("scanned", "full"))
