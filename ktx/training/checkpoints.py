@@ -475,8 +475,9 @@ def _fresh(init_params: Any, flat_abstract: Sequence, names: Sequence[str]) -> d
     model's params, or a function of the names)."""
     if callable(init_params):
         return dict(init_params(tuple(names))) if names else {}
+    wanted = set(names)
     leaves = jax.tree.leaves(init_params)
-    return {param_path(p): v for (p, _), v in zip(flat_abstract, leaves) if param_path(p) in set(names)}
+    return {name: v for (p, _), v in zip(flat_abstract, leaves) if (name := param_path(p)) in wanted}
 
 
 def _subtree(tree: Any, keep: set[str], prefix: Sequence[str] = ()) -> Any:
