@@ -4,7 +4,8 @@ of Deep Bidirectional Transformers for Language Understanding").
 Layout: learned absolute position embeddings and token-type embeddings added to the word
 embeddings, then LayerNorm and dropout; `num_layers` post-LayerNorm layers (self-attention
 with biases -> dropout -> LayerNorm(x + attention); dense -> GELU -> dense -> dropout ->
-LayerNorm(x + mlp)); a pooled output `tanh(dense(h[:, 0]))` on the first ([CLS]) token;
+LayerNorm(x + mlp)); a pooled output `tanh(dense(h[:, 0]))` on the first ([CLS]) token
+(or, `pooling="mean"`, the mean of the attended hidden states: `pool_hidden`);
 an MLM head (dense -> GELU -> LayerNorm -> logits through the transposed word embeddings
 plus a bias of `[V]`).
 
@@ -78,6 +79,9 @@ __all__ = [
     "attention_mask_from",
     "add_perturbation",
     "check_shared_layers",
+    "POOLINGS",
+    "check_pooling",
+    "pool_hidden",
 ]
 
 # transformers' `hidden_act` names: "gelu" is the exact erf GELU, "gelu_new" (alias
@@ -91,6 +95,31 @@ _NEG_INF = -1e10
 
 Array = jax.Array
 Dtype = Any
+
+# How a sentence vector `[B, E]` is made from the last hidden states `[B, L, E]`:
+# "cls" = BERT's pooler `tanh(W h[:, 0] + b)` (transformers' `pooler_output`); "mean" =
+# the mean of the attended positions' hidden states, no parameters (sentence-transformers'
+# mean pooling, which all-MiniLM-L6-v2 was trained with).
+POOLINGS = ("cls", "mean")
+
+
+def check_pooling(owner: str, value: Any) -> str:
+    if value not in POOLINGS:
+        raise ValueError(f"{owner}.pooling={value!r}; accepted: {POOLINGS}")
+    return value
+
+
+def pool_hidden(hidden: Array, mask: Array, pooler: nn.Module, pooling: str = "cls") -> Array:
+    """The sentence vector `[B, E]` of `hidden [B, L, E]` (`POOLINGS`); `mask [B, L]`
+    (1 = attended token) weighs the mean; `pooler` is only called for "cls" (so a "mean"
+    model has no pooler parameters)."""
+    if pooling == "cls":
+        return jnp.tanh(pooler(hidden[:, 0]))
+    if pooling == "mean":
+        weights = mask.astype(jnp.float32)[..., None]
+        total = jnp.sum(hidden.astype(jnp.float32) * weights, axis=1)
+        return (total / jnp.maximum(weights.sum(axis=1), 1.0)).astype(hidden.dtype)
+    raise ValueError(f"pooling={pooling!r}; accepted: {POOLINGS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +436,7 @@ class BertEncoder(nn.Module):
 
     config: BertConfig = BertConfig()
     num_shared_layers: int = 0
+    pooling: str = "cls"
 
     def setup(self):
         c = self.config
@@ -451,7 +481,7 @@ class BertEncoder(nn.Module):
             x = layer(x, mask, deterministic)
         if self.shared_layers is not None:
             x = self.shared_layers(x, mask, deterministic)
-        pooled = jnp.tanh(self.pooler(x[:, 0])) if pool else None
+        pooled = pool_hidden(x, mask, self.pooler, self.pooling) if pool else None
         return x, pooled
 
     def mlm_logits(self, hidden: Array) -> Array:

@@ -138,6 +138,7 @@ class CaMtlEncoder(nn.Module):
     camtl: CaMtlConfig = CaMtlConfig()
     num_tasks: int = 1
     num_shared_layers: int = 0
+    pooling: str = "cls"
 
     def setup(self):
         c = self.config
@@ -205,7 +206,7 @@ class CaMtlEncoder(nn.Module):
         last = x if chain is None else chain
         if self.shared_layers is not None:
             last = self.shared_layers(last, mask, deterministic)
-        pooled = jnp.tanh(self.pooler(last[:, 0]))
+        pooled = bert.pool_hidden(last, mask, self.pooler, self.pooling)
         return CaMtlOutput(last, pooled, tuple(hidden))
 
 
@@ -325,13 +326,14 @@ class CaMtlClassifierModel(encoder.EncoderClassifierModel):
         self.module = CaMtlClassifier(
             config=self.config, camtl=camtl, num_tasks=self.num_tasks,
             num_shared_layers=self.shared_layers, num_labels=self.num_labels,
-            classifier_dropout=self.classifier_dropout)
+            classifier_dropout=self.classifier_dropout, pooling=self.pooling)
 
     def __repr__(self) -> str:
         return (f"CaMtlClassifierModel(config={self.config}, camtl={self.camtl}, "
                 f"num_labels={self.num_labels}, classifier_dropout={self.classifier_dropout}, "
                 f"loss_normalization={self.loss_normalization!r}, "
-                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r})")
+                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r}, "
+                f"pooling={self.pooling!r})")
 
     def input_spec(self, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, jax.ShapeDtypeStruct]:
@@ -389,4 +391,4 @@ def ca_mtl_model(
     return CaMtlClassifierModel(
         base.config, camtl=camtl, frozen_layers=frozen_layers, num_labels=base.num_labels,
         classifier_dropout=base.classifier_dropout, loss_normalization=base.loss_normalization,
-        shared_layers=base.shared_layers)
+        shared_layers=base.shared_layers, pooling=base.pooling)

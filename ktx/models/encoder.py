@@ -141,6 +141,9 @@ class EncoderClassifierModel(BaseModel):
       frozen_layers: 0 (train everything), k or "half": BERT's embeddings and layers
         `0 .. k-1` get no update (`frozen_patterns`, applied by the Trainer's
         `TaskOptimizer`) and no gradient (stopped in the loss).
+      pooling: the heads' sentence vector (`bert.POOLINGS`): "cls" (BERT's pooler on
+        [CLS], transformers' `BertForSequenceClassification`) or "mean" (the mean of the
+        attended hidden states, no pooler; sentence-transformers' pooling).
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class EncoderClassifierModel(BaseModel):
         loss_normalization: str = "global",
         shared_layers: int = 0,
         frozen_layers: int | str = 0,
+        pooling: str = "cls",
     ):
         config = bert.BertConfig() if config is None else config
         if not isinstance(config, bert.BertConfig):
@@ -196,15 +200,17 @@ class EncoderClassifierModel(BaseModel):
         except ValueError as e:
             raise ValueError(f"{type(self).__name__}.{e}") from e
         self.frozen_layers = frozen_layers
+        self.pooling = bert.check_pooling(type(self).__name__, pooling)
         self.module = BertClassifier(
             config=config, num_shared_layers=self.shared_layers, num_labels=self.num_labels,
-            classifier_dropout=self.classifier_dropout)
+            classifier_dropout=self.classifier_dropout, pooling=self.pooling)
 
     def __repr__(self) -> str:
         return (f"EncoderClassifierModel(config={self.config}, num_labels={self.num_labels}, "
                 f"classifier_dropout={self.classifier_dropout}, "
                 f"loss_normalization={self.loss_normalization!r}, "
-                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r})")
+                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r}, "
+                f"pooling={self.pooling!r})")
 
     # ---------------------------------------------------------------- inputs
 

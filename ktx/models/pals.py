@@ -239,6 +239,7 @@ class ConditionedBertClassifier(nn.Module):
     classifier_dropout: float = 0.1
     conditioning: nn.Module | None = None
     num_shared_layers: int = 0
+    pooling: str = "cls"
 
     def setup(self):
         c = self.config
@@ -289,7 +290,7 @@ class ConditionedBertClassifier(nn.Module):
             outputs.append(x)
         if self.shared_layers is not None:
             x = self.shared_layers(x, mask, deterministic)
-        pooled = jnp.tanh(self.pooler(x[:, 0]))
+        pooled = bert.pool_hidden(x, mask, self.pooler, self.pooling)
         return tuple(outputs), pooled
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, task_id=None, *,
@@ -308,15 +309,15 @@ class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
     def __init__(self, config: bert.BertConfig | None = None, *,
                  num_labels: int | Sequence[int] = (2,), num_tasks: int | None = None,
                  classifier_dropout: float | None = None, loss_normalization: str = "global",
-                 shared_layers: int = 0, frozen_layers: int | str = 0):
+                 shared_layers: int = 0, frozen_layers: int | str = 0, pooling: str = "cls"):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
-                         frozen_layers=frozen_layers)
+                         frozen_layers=frozen_layers, pooling=pooling)
         self.module = ConditionedBertClassifier(
             config=self.config, num_labels=self.num_labels,
             classifier_dropout=self.classifier_dropout, conditioning=self._conditioning(),
-            num_shared_layers=self.shared_layers)
+            num_shared_layers=self.shared_layers, pooling=self.pooling)
 
     def _conditioning(self) -> nn.Module | None:
         return None
@@ -439,7 +440,7 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
                  classifier_dropout: float | None = None, loss_normalization: str = "global",
                  pals_size: int = 204, pals_heads: int = 6,
                  pal_layers: Sequence[int] | None = None, shared_layers: int = 0,
-                 frozen_layers: int | str = 0):
+                 frozen_layers: int | str = 0, pooling: str = "cls"):
         _check_int("PalsClassifierModel", "pals_size", pals_size)
         _check_int("PalsClassifierModel", "pals_heads", pals_heads)
         if pals_size % pals_heads:
@@ -450,7 +451,7 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
-                         frozen_layers=frozen_layers)
+                         frozen_layers=frozen_layers, pooling=pooling)
 
     def _conditioning(self) -> nn.Module:
         c = self.config
@@ -464,4 +465,5 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
                 f"classifier_dropout={self.classifier_dropout}, "
                 f"loss_normalization={self.loss_normalization!r}, pals_size={self.pals_size}, "
                 f"pals_heads={self.pals_heads}, pal_layers={self.pal_layers}, "
-                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r})")
+                f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r}, "
+                f"pooling={self.pooling!r})")

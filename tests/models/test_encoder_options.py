@@ -102,6 +102,34 @@ def test_shared_layer_sits_between_encoder_and_pooler(kind):
     assert f"shared_layers={1}" in repr(with_shared)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_mean_pooling_heads_read_the_masked_mean(kind):
+    """pooling='mean': logits = heads(mean of the attended positions' last hidden states),
+    no pooler parameters; the rest of the tree is the 'cls' model's."""
+    batch = _batch()
+    mean, cls = _model(kind, pooling="mean"), _model(kind)
+    params = _params(mean)
+    assert "pooler" not in params and "pooler" in _params(cls)
+    assert jax.tree.structure(params) == jax.tree.structure(
+        {k: v for k, v in _params(cls).items() if k != "pooler"})
+    hidden = np.asarray(_last_hidden(kind, mean, params, batch), np.float64)
+    mask = np.asarray(batch["input_ids"] > 0, np.float64)[..., None]
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    heads = params["task_heads"]
+    got = mean.logits(params, batch)
+    for t in (0, 1):
+        expected = pooled @ heads[f"task_{t}"]["kernel"] + heads[f"task_{t}"]["bias"]
+        np.testing.assert_allclose(got[t], expected, rtol=1e-5, atol=1e-6)
+    assert "pooling='mean'" in repr(mean)
+    if kind == "plain":
+        assert camtl.ca_mtl_model(mean, camtl.CaMtlConfig(max_seq_length=L)).pooling == "mean"
+
+
+def test_pooling_validation():
+    with pytest.raises(ValueError, match=r"pooling='max'; accepted: \('cls', 'mean'\)"):
+        encoder.EncoderClassifierModel(CONFIG, num_labels=(3, 1), pooling="max")
+
+
 def test_camtl_factory_keeps_the_shared_layers():
     base = encoder.EncoderClassifierModel(CONFIG, num_labels=(3, 1), shared_layers=2)
     model = camtl.ca_mtl_model(base, camtl.CaMtlConfig(max_seq_length=L))
