@@ -319,6 +319,12 @@ class RecsysModel(BaseModel):
             g = nn.relu(g @ towers[f"layer_{k}_kernel"][t] + towers[f"layer_{k}_bias"][t])
         return (g @ towers["out_kernel"][t] + towers["out_bias"][t]).T  # [U, N]
 
+    def rank_bytes_per_pair(self) -> int:
+        """Bytes of the float32 intermediates `rank_scores` holds per (user, item) pair
+        (every layer's output and the matrix-factorization term): sizes its blocks."""
+        widths = sum(self.mlp_dims) + self.tower_dims[0] * 3 + sum(self.tower_dims[1:]) + 1
+        return 4 * int(widths)
+
     def rank_flops_per_pair(self) -> int:
         """Multiply-adds x2 that `rank_scores` spends per (user, item) pair."""
         m = (self.mlp_dims[0],) + tuple(self.mlp_dims[1:])

@@ -52,7 +52,10 @@ class RankingEvaluator:
         held-out items).
       exclude: the user's training items left out of the ranking: "all" behaviours or
         the "target"'s only (see `ktx.data.recsys.training_exclusions`).
-      user_chunk, item_block: the chunking of `full_ranking` (memory and speed only).
+      user_chunk, item_block: the chunking of `full_ranking` (memory and speed only;
+        None: sized from the platform and its free memory).
+
+    Users are split over the trainer's mesh (`data` and `model` axes) when one is given.
     """
 
     def __init__(
@@ -63,8 +66,8 @@ class RankingEvaluator:
         ks: Sequence[int] = (10, 20),
         max_users: int | None = None,
         exclude: str = "all",
-        user_chunk: int = 256,
-        item_block: int | None = 256,
+        user_chunk: int | None = None,
+        item_block: int | None = None,
     ):
         if split not in SPLITS:
             raise ValueError(f"RankingEvaluator.split={split!r}; accepted: {SPLITS}")
@@ -76,8 +79,9 @@ class RankingEvaluator:
         self.user_chunk, self.item_block = user_chunk, item_block
         self.title = "evaluation"
 
-    def rank(self, model: Any, params: Any) -> dict[str, float]:
-        """Mean metrics of `model` (a `ktx.metrics.ranking.RankingScorer`) at `params`."""
+    def rank(self, model: Any, params: Any, mesh: Any = None) -> dict[str, float]:
+        """Mean metrics of `model` (a `ktx.metrics.ranking.RankingScorer`) at `params`,
+        the users split over `mesh` (a `jax.sharding.Mesh`; None: one device)."""
         for name in ("rank_user_part", "rank_item_part", "rank_scores"):
             if not hasattr(model, name):
                 raise TypeError(
@@ -94,12 +98,12 @@ class RankingEvaluator:
         return full_ranking(
             model, params, num_users=self.data.num_users, num_items=self.data.num_items,
             heldout=self.heldout, exclude=self.exclude, ks=self.ks,
-            user_chunk=self.user_chunk, item_block=self.item_block,
+            user_chunk=self.user_chunk, item_block=self.item_block, mesh=mesh,
         )
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
-        results = {self.data.target: self.rank(trainer.model, params)}
+        results = {self.data.target: self.rank(trainer.model, params, trainer.mesh)}
         if writer is not None:
             writer.write_tasks(step, f"{self.split}_ranking", results)
         return results

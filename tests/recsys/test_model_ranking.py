@@ -107,7 +107,7 @@ def test_topk_metrics_hand_computed():
     np.testing.assert_allclose(m["recall@2"], (1 + 0.5) / 2)
 
 
-@pytest.mark.parametrize("user_chunk,item_block", [(4, None), (3, 5)])
+@pytest.mark.parametrize("user_chunk,item_block", [(4, 13), (3, 5), (None, None)])
 def test_full_ranking_equals_brute_force(user_chunk, item_block):
     model = _model()
     params = _params(model)
@@ -148,3 +148,58 @@ def test_popularity_scorer_ranks_by_training_counts():
     # User 0 (item 3 excluded) ranks 1 first: a hit at 1; user 1 ranks 3, 1, 0: a miss at 2.
     assert got["recall@1"] == 0.5 and got["recall@2"] == 0.5
     np.testing.assert_allclose(got["ndcg@2"], 0.5)
+
+
+def _ranking_case(seed=0, num_users=40, num_items=13):
+    rng = np.random.default_rng(seed)
+    train = np.unique(np.stack([rng.integers(0, num_users, 200), rng.integers(0, num_items, 200)], 1), axis=0)
+    held = np.unique(np.stack([rng.integers(0, num_users, 90), rng.integers(0, num_items, 90)], 1), axis=0)
+    held = held[~np.isin(held[:, 0] * num_items + held[:, 1], train[:, 0] * num_items + train[:, 1])]
+    return train, held
+
+
+@pytest.mark.parametrize("num_partitions", [1, 4])
+def test_full_ranking_sharded_over_the_mesh_equals_one_device(num_partitions):
+    """8 fake CPU devices: an 8x1 and a 2x4 (data, model) mesh, chunks split over the
+    devices, give exactly the metrics of one device (per-user sums in float64)."""
+    model = RecsysModel(num_users=40, num_items=13, num_tasks=3, embed_dim=8,
+                        mlp_dims=(6, 4, 2), tower_dims=(5, 4))
+    params = _params(model)
+    train, held = _ranking_case()
+    kw = dict(num_users=40, num_items=13, heldout=held, exclude=[train], ks=(3, 5),
+              user_chunk=3, item_block=5)
+    one = ranking.full_ranking(model, params, **kw)
+    mesh = partitioning.create_mesh(num_partitions)
+    assert mesh.devices.size == 8
+    stats = {}
+    many = ranking.full_ranking(model, params, mesh=mesh, stats=stats, **kw)
+    assert stats["users"] == len(np.unique(held[:, 0]))
+    assert many.keys() == one.keys()
+    for k in one:
+        assert many[k] == pytest.approx(one[k], rel=1e-12, abs=1e-12), k
+    assert one["recall@5"] > 0
+
+
+def test_full_ranking_rejects_ids_beyond_the_tables():
+    model = _model()
+    params = _params(model)
+    with pytest.raises(ValueError, match=r"1 held-out pair\(s\) have ids outside the tables \(9 users x 13 items\), the first \(user 2, item 13\)"):
+        ranking.full_ranking(model, params, num_users=9, num_items=13,
+                             heldout=np.array([[0, 1], [2, 13]]), ks=(3,))
+    with pytest.raises(ValueError, match="excluded pair"):
+        ranking.full_ranking(model, params, num_users=9, num_items=13,
+                             heldout=np.array([[0, 1]]), exclude=[np.array([[9, 0]])], ks=(3,))
+
+
+def test_ranking_chunks_from_platform_and_memory():
+    u, b = ranking.ranking_chunks(11953, 41314, bytes_per_pair=1120, platform="cpu")
+    assert u == ranking.CPU_USER_CHUNK and u * b * 1120 <= ranking.CPU_BLOCK_BYTES
+    # An accelerator with 1 GiB free: a quarter, split between scores and the block.
+    u, b = ranking.ranking_chunks(11953, 41314, bytes_per_pair=1120, platform="gpu",
+                                  memory_bytes=1 << 30)
+    assert u * 11953 * 16 <= (1 << 27) and u * b * 1120 <= (1 << 27) and b <= 11953
+    u, b = ranking.ranking_chunks(11953, 41314, bytes_per_pair=1120, platform="gpu",
+                                  memory_bytes=80 << 30)
+    assert u == 8192 and b > 500
+    # Few users: the chunk shrinks to them (a power of two).
+    assert ranking.ranking_chunks(13, 5, platform="gpu", memory_bytes=1 << 30)[0] == 8
