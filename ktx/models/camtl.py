@@ -78,6 +78,7 @@ import jax.numpy as jnp
 from ktx import treepath
 from ktx.analysis.params import CONDITIONING_SCOPE
 from ktx.models import bert, encoder
+from ktx.models.encoder import normalised_entropy, row_normalised_entropy
 from ktx.models.base import Batch
 from ktx.models.camtl_layers import (
     Array,
@@ -95,7 +96,6 @@ from ktx.models.camtl_layers import (
     LAYER_NORM_FORMS,
     LayerNormFiLM,
     VARIANTS,
-    _ENTROPY_EPS,
     _MASK_VALUE,
     _dense,
 )
@@ -267,33 +267,6 @@ def trainable_parameters(model: CaMtlClassifierModel) -> dict[str, int]:
     return {"total": total, "frozen": frozen, "trainable": total - frozen}
 
 
-# -------------------------------------------------------------------- uncertainty
-
-
-def normalised_entropy(logits: Array) -> Array:
-    """`[..., n]` logits -> `[...]` entropy of `softmax(logits)` over `log(n) + 1e-5`
-    (0 for a 1-output regression head): what MT-uncertainty sampling ranks rows by. No
-    gradient flows through it (the reference detaches the logits)."""
-    logits = jax.lax.stop_gradient(jnp.asarray(logits, jnp.float32))  # a score, as the reference
-    n = logits.shape[-1]
-    if n == 1:
-        return jnp.zeros(logits.shape[:-1], jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    p = jnp.exp(logp)
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # 0 log 0 = 0
-    return entropy / (math.log(n) + _ENTROPY_EPS)
-
-
-def row_normalised_entropy(logits: Sequence[Array], task_id: Array) -> Array:
-    """`[B]` normalised entropy of each row's own task head (`logits`: `T` arrays
-    `[B, n_t]`, as `CaMtlClassifierModel.logits`)."""
-    task_id = jnp.asarray(task_id, jnp.int32)
-    out = jnp.zeros(task_id.shape, jnp.float32)
-    for t, lg in enumerate(logits):
-        out = jnp.where(task_id == t, normalised_entropy(lg), out)
-    return out
-
-
 # -------------------------------------------------------------------- model
 
 
@@ -369,10 +342,6 @@ class CaMtlClassifierModel(encoder.EncoderClassifierModel):
         output)."""
         return self._apply(params, self._features(batch), batch, rng, train,
                            embedding_perturbation)
-
-    def normalised_entropy(self, params: Any, batch: Batch) -> Array:
-        """`[B]` normalised entropy of each row's own head (deterministic forward)."""
-        return row_normalised_entropy(self.logits(params, batch), batch["task_id"])
 
 
 

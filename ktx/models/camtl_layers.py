@@ -30,7 +30,6 @@ from ktx.partitioning import (
 VARIANTS = ("base", "large")
 LAYER_NORM_FORMS = ("code", "paper")
 _MASK_VALUE = -10000.0  # the reference's additive padding mask
-_ENTROPY_EPS = 1e-5
 
 Array = jax.Array
 Dtype = Any

@@ -32,6 +32,7 @@ clipped; validate them in the task's preprocessing.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,11 +46,38 @@ from ktx.models.base import LOSS_NORMALIZATIONS, Batch, BaseModel, row_keys, seg
 from ktx.partitioning import EMBED
 
 __all__ = ["TASK_HEADS_SCOPE", "TaskHeads", "BertClassifier", "EncoderClassifierModel",
-           "frozen_layer_patterns", "stop_frozen_gradients"]
+           "frozen_layer_patterns", "stop_frozen_gradients", "normalised_entropy",
+           "row_normalised_entropy"]
 
 TASK_HEADS_SCOPE = "task_heads"
 _FEATURES = ("input_ids", "token_type_ids", "attention_mask")
 _REQUIRED = ("input_ids", "label", "task_id")
+_ENTROPY_EPS = 1e-5  # the CA-MTL code's epsilon under the maximum entropy
+
+
+def normalised_entropy(logits: jax.Array) -> jax.Array:
+    """`[..., n]` logits -> `[...]` entropy of `softmax(logits)` over `log(n) + 1e-5`
+    (0 for a 1-output regression head): what MT-uncertainty sampling ranks rows by
+    (Pilault et al., 2021; the authors' `calculate_entropy`). No gradient flows through
+    it (the reference detaches the logits)."""
+    logits = jax.lax.stop_gradient(jnp.asarray(logits, jnp.float32))
+    n = logits.shape[-1]
+    if n == 1:
+        return jnp.zeros(logits.shape[:-1], jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # 0 log 0 = 0
+    return entropy / (math.log(n) + _ENTROPY_EPS)
+
+
+def row_normalised_entropy(logits: Sequence[jax.Array], task_id: jax.Array) -> jax.Array:
+    """`[B]` normalised entropy of each row's own task head (`logits`: `T` arrays
+    `[B, n_t]`, as `EncoderClassifierModel.logits`)."""
+    task_id = jnp.asarray(task_id, jnp.int32)
+    out = jnp.zeros(task_id.shape, jnp.float32)
+    for t, lg in enumerate(logits):
+        out = jnp.where(task_id == t, normalised_entropy(lg), out)
+    return out
 
 
 class TaskHeads(nn.Module):
@@ -281,6 +309,11 @@ class EncoderClassifierModel(BaseModel):
             return tuple(o[0] for o in out)
 
         return jax.vmap(one)(features, row_keys(rng, batch))
+
+    def normalised_entropy(self, params: Any, batch: Batch) -> jax.Array:
+        """`[B]` normalised entropy of each row's own head (deterministic forward, no
+        gradient): MT-uncertainty sampling's score (`ktx.training.mt_uncertainty`)."""
+        return row_normalised_entropy(self.logits(params, batch), batch["task_id"])
 
     def row_weights(self, batch: Batch) -> jax.Array:
         """`[B]` 1 for a row with an attended token, 0 for an all-padding row."""

@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -35,6 +35,7 @@ from ktx.models.base import BaseModel
 from ktx.training.optimizers import TaskOptimizer
 from ktx.runs.run_dir import RunDir
 from ktx.training.summaries import MetricsWriter
+from ktx.training.mt_uncertainty import check_proxies, proxy_indices
 from ktx.training.trainer import Trainer, TrainState
 
 __all__ = ["TrainInput", "check_train_input", "NonFiniteLossError", "Prefetcher", "EarlyStopping",
@@ -160,6 +161,8 @@ def train(
     early_stopping_patience: int = 0,
     started_callback: Callable[[], None] | None = None,
     prefetch_depth: int = 2,
+    mt_uncertainty_rows: int = 0,
+    mt_uncertainty_proxies: Mapping[str, str] | None = None,
 ) -> TrainState:
     """Trains `model` on `train_input` for `train_steps` steps (total, resumed runs
     included) and returns the final state.
@@ -202,6 +205,10 @@ def train(
       prefetch_depth: batches prepared ahead in a background thread (`Prefetcher`);
         `input_wait_fraction` in the train metrics is the share of wall time the loop
         blocked on input.
+      mt_uncertainty_rows: MT-uncertainty sampling (CA-MTL; `ktx.training.mt_uncertainty`):
+        each input batch holds candidates and the step trains on this many of them (0:
+        off). `mt_uncertainty_proxies` `{regression task: classification task}` names
+        whose entropies each regression task's rows borrow.
     """
     check_train_input(train_input)
     train_steps = _resolve_train_steps(train_input, train_steps, train_epochs)
@@ -225,6 +232,9 @@ def train(
     task_names = tuple(train_input.task_names)
     run = RunDir(model_dir).makedirs()
 
+    proxies = proxy_indices(mt_uncertainty_proxies, task_names)
+    if mt_uncertainty_rows:
+        check_proxies(model, proxies, task_names)
     trainer = Trainer(
         model, optimizer, balancer=balancer, schedule=schedule,
         mesh=partitioning.create_mesh(num_partitions),
@@ -232,9 +242,16 @@ def train(
                                                        parameter_partitioning_dims),
         num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
         sparse_tables=sparse_tables, diagnostics_period=log_period if log_diagnostics else 0,
-        target_task=target_task,
+        target_task=target_task, uncertainty_rows=mt_uncertainty_rows,
+        uncertainty_proxies=proxies,
     )
     first_batch = train_input.get_batch(0)
+    candidates = _host_rows(first_batch) * jax.process_count()
+    if mt_uncertainty_rows and mt_uncertainty_rows > candidates:
+        raise ValueError(
+            f"mt_uncertainty_rows={mt_uncertainty_rows} but a batch holds {candidates} candidate "
+            "rows; MT-uncertainty sampling keeps a part of each batch: set BATCH_SIZE to "
+            "(tasks x rows), as the authors draw one batch from every task")
     state, start = _restore_or_init(trainer, run, first_batch, seed, initial_checkpoint_path,
                                     checkpoints := CheckpointManager(
                                         run.root, save_period=checkpoint_period,

@@ -89,6 +89,12 @@ class StepOptions:
       target_task: the task the diagnostics' cosines are taken against.
       norm_metrics: report `grad_norm`, `update_norm` and `param_norm` (three passes over
         the parameters; off for the recommendation study's many small steps).
+      uncertainty_rows: MT-uncertainty sampling (`ktx.training.mt_uncertainty`): the
+        batch holds candidates, the step trains on the `uncertainty_rows` rows its
+        current parameters are least certain of (0: off, train on every row). The
+        balanced path then uses the VJP engine (the selected rows are not task blocks).
+      uncertainty_proxies: `(regression task, classification task)` index pairs: a
+        regression task's rows borrow the classification task's entropies.
     """
 
     num_microbatches: int = 1
@@ -100,6 +106,8 @@ class StepOptions:
     diagnostics_period: int = 1
     target_task: int = 0
     norm_metrics: bool = True
+    uncertainty_rows: int = 0
+    uncertainty_proxies: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         m = self.num_microbatches
@@ -116,6 +124,18 @@ class StepOptions:
             if isinstance(value, str):
                 value = (value,)
             object.__setattr__(self, name, tuple(value) if value else None)
+        u = self.uncertainty_rows
+        if isinstance(u, bool) or not isinstance(u, int) or u < 0:
+            raise ValueError(f"uncertainty_rows={u!r}; accepted: an int >= 0 (0: off)")
+        if u and self.grad_method == "blocks":
+            raise ValueError("grad_method='blocks' with MT-uncertainty sampling "
+                             f"(uncertainty_rows={u}): the selected rows are not task blocks; "
+                             "accepted: 'auto' or 'vjp'")
+        if u and self.sparse_tables:
+            raise ValueError("sparse_tables with MT-uncertainty sampling: sparse per-task rows "
+                             "need task blocks; accepted: one of the two")
+        pairs = tuple((int(a), int(b)) for a, b in (self.uncertainty_proxies or ()))
+        object.__setattr__(self, "uncertainty_proxies", pairs or None)
         if self.sparse_tables and m > 1:
             raise ValueError(
                 f"sparse_tables={self.sparse_tables!r} needs num_microbatches=1 (got {m}): "
@@ -180,19 +200,25 @@ def train_step(
     """
     num_tasks = model.num_tasks
     step_rng = jax.random.fold_in(rng, state.step)
+    params = state.params
+    if options.uncertainty_rows:
+        from ktx.training.mt_uncertainty import select_uncertain_rows
+
+        batch, _ = select_uncertain_rows(model, params, batch, options.uncertainty_rows,
+                                         options.uncertainty_proxies or ())
     # Rows are numbered before the batch is cut into task blocks or microbatches: dropout
     # is keyed per row (ktx.models.base.row_keys), so every path draws the same masks.
     batch = with_row_ids(batch)
     normalizer = model.normalizer(batch)
-    params = state.params
     present = rows_per_task(batch, num_tasks)
     diagnostics, logged = {}, jnp.zeros((), bool)
 
     if optimizer.balanced:
         from ktx import optim  # the balancing engine is optional for plain training
 
-        # Microbatches cut across task blocks, so they use the one-hot VJP engine.
-        blocked = options.num_microbatches == 1
+        # Microbatches cut across task blocks, and uncertainty-selected rows are in score
+        # order, so both use the one-hot VJP engine.
+        blocked = options.num_microbatches == 1 and not options.uncertainty_rows
 
         def task_grads(mb):
             return optim.compute_task_gradients(
@@ -349,6 +375,10 @@ class Trainer:
         if not 0 <= int(options.target_task) < model.num_tasks:
             raise ValueError(
                 f"target_task={options.target_task!r}; accepted: 0..{model.num_tasks - 1}")
+        if options.uncertainty_rows:
+            from ktx.training.mt_uncertainty import check_proxies
+
+            check_proxies(model, options.uncertainty_proxies)
         self.model = model
         self.optimizer = optimizer
         self.options = options
@@ -473,7 +503,7 @@ class Trainer:
     def _capacity_for(self, task_counts: Sequence[int] | None) -> tuple[int, ...] | None:
         """Static per-task block sizes: the most rows each task has had so far."""
         if not self.optimizer.balanced or task_counts is None \
-                or self.options.num_microbatches != 1:
+                or self.options.num_microbatches != 1 or self.options.uncertainty_rows:
             return None
         counts = tuple(int(c) for c in task_counts)
         if self._capacity is None or len(self._capacity) != len(counts):

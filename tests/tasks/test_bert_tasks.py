@@ -117,3 +117,66 @@ def test_ktx_train_cs224n_tiny_bert(data_dir, tmp_path, monkeypatch):
     # the regression task reports a squared error, the classification tasks accuracy
     sts = [r for r in train if r["task"] == "cs224n_sts_bert_v001"]
     assert all(r["squared_error"] == pytest.approx(r["loss"]) for r in sts)
+
+
+def _cli_train(data_dir, vocab, model_dir, steps, *extra):
+    try:
+        rc = cli.main([
+            "train", "--gin_file=experiments/cs224n_encoders/bert_tiny.gin",
+            "--gin_file=runs/mt_uncertainty.gin",
+            f"--gin.MODEL_DIR='{model_dir}'", f"--gin.ENCODER_VOCAB='{vocab}'",
+            f"--gin.DATA_DIR='{data_dir}'", f"--gin.TRAIN_STEPS={steps}", "--gin.BATCH_SIZE=24",
+            "--gin.MT_UNCERTAINTY_ROWS=8", "--gin.DROPOUT_RATE=0.1",
+            "--gin.MT_UNCERTAINTY_PROXIES={'cs224n_sts_bert_v001': 'cs224n_quora_bert_v001'}",
+            "--gin.MAX_SEQ_LENGTH=24", "--gin.train_script.train.log_period=1",
+            "--gin.train_script.train.checkpoint_period=2",
+            "--gin.train_script.train.eval_period=0", *extra])
+    finally:
+        files.set_data_dir(None)
+        files.set_on_bad_row(None)
+    assert rc == 0
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("split") == "train"]
+
+
+def test_ktx_train_mt_uncertainty_resumes_exactly(data_dir, tmp_path, monkeypatch):
+    """runs/mt_uncertainty.gin: 24 candidates (8 per task), 8 trained; each step's rows per
+    task follow the model's uncertainty; 2 steps + resume to 4 = 4 steps straight."""
+    if not (data_dir / "cs224n" / "quora-dev.csv").is_file():
+        pytest.skip(f"{data_dir}/cs224n/ has no CS224N files")
+    monkeypatch.chdir(tmp_path)
+    vocab = write_vocab(tmp_path / "vocab")
+    straight = _cli_train(data_dir, vocab, tmp_path / "a", 4)
+    _cli_train(data_dir, vocab, tmp_path / "b", 2)
+    resumed = _cli_train(data_dir, vocab, tmp_path / "b", 4)
+
+    def by_step(records, task="all"):
+        return {r["step"]: r for r in records if r["task"] == task}
+
+    assert sorted(by_step(straight)) == [1, 2, 3, 4] == sorted(by_step(resumed))
+    for step in (1, 2, 3, 4):
+        assert by_step(resumed)[step]["loss"] == by_step(straight)[step]["loss"]
+    tasks = ("cs224n_sst5_bert_v001", "cs224n_quora_bert_v001", "cs224n_sts_bert_v001")
+    for step in (1, 2, 3, 4):  # 8 rows trained per step, spread by uncertainty
+        assert by_step(straight)[step]["examples"] == 8
+        assert sum(by_step(straight, t).get(step, {}).get("examples", 0) for t in tasks) == 8
+
+
+def test_ktx_train_mt_uncertainty_needs_a_proxy_for_regression(data_dir, tmp_path, monkeypatch,
+                                                                capsys):
+    if not (data_dir / "cs224n" / "quora-dev.csv").is_file():
+        pytest.skip(f"{data_dir}/cs224n/ has no CS224N files")
+    monkeypatch.chdir(tmp_path)
+    vocab = write_vocab(tmp_path / "vocab")
+    try:
+        rc = cli.main(["train", "--gin_file=experiments/cs224n_encoders/bert_tiny.gin",
+                       "--gin_file=runs/mt_uncertainty.gin", f"--gin.MODEL_DIR='{tmp_path / 'c'}'",
+                       f"--gin.ENCODER_VOCAB='{vocab}'", f"--gin.DATA_DIR='{data_dir}'",
+                       "--gin.TRAIN_STEPS=1", "--gin.BATCH_SIZE=24", "--gin.MT_UNCERTAINTY_ROWS=8",
+                       "--gin.MAX_SEQ_LENGTH=24"])
+    finally:
+        files.set_data_dir(None)
+        files.set_on_bad_row(None)
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert err.startswith("ktx train: ") and "2 (cs224n_sts_bert_v001) have no entropy" in err
