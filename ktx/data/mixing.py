@@ -40,6 +40,20 @@ count tuple per piece (a balancer that compiles per count tuple compiles once).
 `min_count` (the pipeline's `min_rows_per_task`) guarantees every task with a positive
 rate that many rows in every batch; the sampled layout draws each row's task with
 probability `r_t` instead.
+
+One task per batch (`Mixing.batches`; the rates are whichever `kind` gives, annealed
+included): every row of step `s`'s batch comes from one task.
+
+* `"round_robin"`: the tasks with a positive rate in turn, `t = s mod T'` (the SlapBERT
+  study's round-robin batches).
+* `"task_per_batch"`: the tasks' batches interleaved in proportion to the rates: the first
+  `n` steps of a piece hold `apportion_rows(n, r)` batches of each task, so a task's
+  batches spread evenly over the piece (the order MT-DNN's shuffled per-task mini-batches
+  have in expectation, made deterministic: a closed form of the step, as above).
+
+The default, `"mixed"`, gives every step rows of every task: the SlapBERT study's
+"interleaved" batches (one batch of each task per step, losses summed), the only one of
+the three under which a step has several tasks' gradients to balance (PCGrad, MetaBalance).
 """
 
 from __future__ import annotations
@@ -51,6 +65,8 @@ import numpy as np
 
 __all__ = [
     "MIXING_KINDS",
+    "BATCH_KINDS",
+    "TaskPerBatchSchedule",
     "Mixing",
     "RateSchedule",
     "proportional_rates",
@@ -64,6 +80,7 @@ __all__ = [
 ]
 
 MIXING_KINDS = ("mixture", "proportional", "temperature", "equal", "annealed")
+BATCH_KINDS = ("mixed", "round_robin", "task_per_batch")
 
 
 def _sizes(sizes: Sequence[float], name: str = "sizes") -> np.ndarray:
@@ -318,6 +335,24 @@ class RateSchedule:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskPerBatchSchedule(RateSchedule):
+    """A `RateSchedule` whose every batch holds one task's rows (`Mixing.batches`
+    "round_robin" or "task_per_batch"; module docstring). `counts` are 0 and `shares` the
+    rates: the whole batch is apportioned step by step."""
+
+    batches: str = "task_per_batch"
+
+    def _within(self, piece: int, steps: int) -> np.ndarray:
+        rates = self.rates[piece]
+        if self.batches == "task_per_batch":
+            return self.batch_size * apportion_rows(steps, rates)
+        tasks = np.flatnonzero(rates > 0)
+        turns = np.zeros(rates.size, np.int64)
+        turns[tasks] = steps // tasks.size + (np.arange(tasks.size) < steps % tasks.size)
+        return self.batch_size * turns
+
+
+@dataclasses.dataclass(frozen=True)
 class Mixing:
     """How a mixture's tasks share each batch (see the module docstring).
 
@@ -330,6 +365,8 @@ class Mixing:
         `steps_per_epoch` (all tasks' rows / global batch size).
       carry: carry fractional quotas across steps (every task gets its share over the
         steps); False: the same largest-remainder counts in every batch of a piece.
+      batches: "mixed" (every batch shares its rows among the tasks, as above),
+        "round_robin" or "task_per_batch" (one task per batch; module docstring).
     """
 
     kind: str = "mixture"
@@ -338,10 +375,13 @@ class Mixing:
     num_epochs: int | None = None
     steps_per_epoch: int | None = None
     carry: bool = True
+    batches: str = "mixed"
 
     def __post_init__(self):
         if self.kind not in MIXING_KINDS:
             raise ValueError(f"Mixing.kind={self.kind!r}; accepted: {MIXING_KINDS}")
+        if self.batches not in BATCH_KINDS:
+            raise ValueError(f"Mixing.batches={self.batches!r}; accepted: {BATCH_KINDS}")
         if self.kind == "annealed" and (self.num_epochs is None or self.num_epochs < 1):
             raise ValueError(
                 f"Mixing(kind='annealed') needs num_epochs >= 1 (E in the PALs schedule), "
@@ -386,6 +426,13 @@ class Mixing:
             pieces = [annealed_rates(sizes_array, e, self.num_epochs) for e in range(1, self.num_epochs + 1)]
             starts = [e * epoch_steps for e in range(self.num_epochs)]
         rates = np.stack(pieces)
+        if self.batches != "mixed":
+            if min_count:
+                raise ValueError(
+                    f"Mixing(batches={self.batches!r}) puts one task in each batch; "
+                    f"min_rows_per_task={min_count} asks for every task in every batch: set it to 0")
+            return TaskPerBatchSchedule(np.array(starts), rates, np.zeros(rates.shape, np.int64),
+                                        rates, batch_size, batches=self.batches)
         if not self.carry:
             counts = np.array([largest_remainder_counts(p, batch_size, min_count) for p in pieces], np.int64)
             return RateSchedule(np.array(starts), rates, counts)

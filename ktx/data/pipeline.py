@@ -266,6 +266,10 @@ class MultiTaskInput:
         )
 
     def _setup_schedule(self) -> None:
+        if self.layout == "sampled" and self.mixing.batches != "mixed":
+            raise ValueError(
+                f"layout='sampled' draws each row's task; Mixing(batches={self.mixing.batches!r}) "
+                "puts one task in each batch: use layout='task_partitioned'")
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
         self.steps_per_epoch = max(1, sum(self.task_sizes) // self.batch_size)
         self.schedule = self.mixing.schedule(

@@ -156,3 +156,47 @@ def test_mixing_validation():
         mixing.parse_mixing(3)
     with pytest.raises(ValueError, match="temperature"):
         mixing.temperature_rates([1, 2], temperature=0)
+
+
+def _replay(sched, steps):
+    total = np.zeros(sched.num_tasks, np.int64)
+    for step in range(steps):
+        np.testing.assert_array_equal(sched.consumed_before(step), total)  # closed form
+        counts = np.asarray(sched.counts_at(step))
+        assert np.count_nonzero(counts) == 1 and counts.sum() == sched.batch_size
+        total += counts
+    return total
+
+
+def test_round_robin_one_task_per_batch_in_turn():
+    sched = mixing.Mixing("proportional", batches="round_robin").schedule([30, 10, 5], 4)
+    assert [sched.counts_at(s) for s in range(4)] == [(4, 0, 0), (0, 4, 0), (0, 0, 4), (4, 0, 0)]
+    np.testing.assert_array_equal(_replay(sched, 10), [16, 12, 12])
+    # a task with rate 0 is left out of the turn
+    zero = mixing.Mixing("mixture", batches="round_robin").schedule([30, 10, 5], 2,
+                                                                   mixture_rates=[1, 0, 1])
+    assert [zero.counts_at(s) for s in range(3)] == [(2, 0, 0), (0, 0, 2), (2, 0, 0)]
+
+
+def test_task_per_batch_follows_the_rates():
+    sizes = [600, 300, 100]
+    sched = mixing.Mixing("proportional", batches="task_per_batch").schedule(sizes, 8)
+    total = _replay(sched, 100)
+    np.testing.assert_array_equal(total // 8, mixing.apportion_rows(100, [0.6, 0.3, 0.1]))
+    # every prefix stays within a batch of its share (smooth interleaving, not blocks)
+    for n in range(1, 100):
+        batches = sched.consumed_before(n) / 8
+        assert np.abs(batches - n * np.array([0.6, 0.3, 0.1])).max() <= 1.0
+    annealed = mixing.Mixing("annealed", num_epochs=3, batches="task_per_batch").schedule(
+        sizes, 8, steps_per_epoch=10)
+    _replay(annealed, 40)
+    first, last = (annealed.consumed_before(10) // 8,
+                   (annealed.consumed_before(30) - annealed.consumed_before(20)) // 8)
+    assert first[0] > last[0] and first[2] < last[2]  # towards equal
+
+
+def test_task_per_batch_validation():
+    with pytest.raises(ValueError, match=r"Mixing.batches='mix'; accepted: \('mixed'"):
+        mixing.Mixing(batches="mix")
+    with pytest.raises(ValueError, match="min_rows_per_task=1 asks for every task"):
+        mixing.Mixing("equal", batches="round_robin").schedule([3, 3], 4, min_count=1)

@@ -213,3 +213,23 @@ def test_replace_shares_the_cache(base):
     )
     with pytest.raises(ValueError, match="layout="):
         base.replace(layout="bad")
+
+
+@pytest.mark.parametrize("batches", ["round_robin", "task_per_batch"])
+def test_one_task_per_batch_and_resume(batches):
+    inp = MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=4, seed=7,
+                         mixing=mixing.Mixing("equal", batches=batches))
+    tasks = []
+    for step in range(6):
+        batch = inp.get_batch(step)
+        assert len(set(batch["task_id"].tolist())) == 1
+        assert inp.task_counts(step)[batch["task_id"][0]] == 4
+        tasks.append(int(batch["task_id"][0]))
+    assert sorted(tasks) == [0, 0, 0, 1, 1, 1]
+    resumed = MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=4, seed=7,
+                             mixing=mixing.Mixing("equal", batches=batches))
+    for k, v in resumed.get_batch(5).items():
+        np.testing.assert_array_equal(v, inp.get_batch(5)[k])
+    with pytest.raises(ValueError, match="layout='sampled' draws each row's task"):
+        MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=4, layout="sampled",
+                       mixing=mixing.Mixing("equal", batches=batches))
