@@ -317,6 +317,32 @@ def test_adafactor_t5x_defaults_factor_large_matrices():
     assert updates["big"].shape == (256, 128)
 
 
+def test_task_module_warmup_delays_the_backbone_with_fresh_state():
+    """The first 2 steps move only the task modules; the backbone's first update (step 3)
+    is a fresh Adam's first update on that step's gradient; the task modules run Adam
+    throughout, as if alone."""
+    params = {"task_heads": {"w": jnp.ones(3)}, "body": {"w": jnp.ones(4)}}
+    grads = [{"task_heads": {"w": jnp.full(3, g)}, "body": {"w": jnp.arange(4.0) * g}}
+             for g in (1.0, -2.0, 0.5, 3.0)]
+    tx = optimizers.task_module_warmup(optax.adam(0.1), 2)
+    state = tx.init(params)
+    heads, body = optax.adam(0.1), optax.adam(0.1)
+    head_state, body_state = heads.init(params["task_heads"]), body.init(params["body"])
+    for step, g in enumerate(grads):
+        updates, state = jax.jit(tx.update)(g, state, params)
+        want_head, head_state = heads.update(g["task_heads"], head_state)
+        np.testing.assert_allclose(updates["task_heads"]["w"], want_head["w"], rtol=1e-6)
+        if step < 2:
+            np.testing.assert_array_equal(updates["body"]["w"], np.zeros(4))
+        else:
+            want_body, body_state = body.update(g["body"], body_state)
+            np.testing.assert_allclose(updates["body"]["w"], want_body["w"], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"task_modules=\('nope/.\*',\) match no parameter"):
+        optimizers.task_module_warmup(optax.adam(0.1), 2, ["nope/.*"]).init(params)
+    with pytest.raises(ValueError, match="steps=-1; accepted: an int >= 0"):
+        optimizers.delay(optax.adam(0.1), -1)
+
+
 def test_frozen_pattern_typo_is_an_error():
     with pytest.raises(ValueError, match="matches no parameter"):
         optimizers.frozen_mask({"Dense_0": {"kernel": jnp.ones(2)}}, [r"Dens_0/.*"])

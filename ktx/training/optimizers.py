@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,9 @@ __all__ = [
     "sgd",
     "frozen_mask",
     "freeze",
+    "delay",
+    "TASK_MODULES",
+    "task_module_warmup",
     "TaskOptimizer",
 ]
 
@@ -196,6 +199,63 @@ def freeze(tx: optax.GradientTransformation, frozen: Sequence[str] = ()) -> Any:
         return jax.tree.map(lambda m: "frozen" if m else "trainable", mask)
 
     return optax.multi_transform({"trainable": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+class DelayState(NamedTuple):
+    count: jax.Array  # steps seen, saturating at `steps`
+    inner: Any
+
+
+def delay(tx: optax.GradientTransformation, steps: int) -> optax.GradientTransformation:
+    """`tx` that starts at step `steps`: zero updates before, and `tx`'s state untouched
+    (its step count, moments and schedule start afresh when it starts)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps={steps!r}; accepted: an int >= 0")
+
+    def init(params):
+        return DelayState(jnp.zeros((), jnp.int32), tx.init(params))
+
+    def update(updates, state, params=None):
+        def wait():
+            return jax.tree.map(jnp.zeros_like, updates), state.inner
+
+        def run():
+            return tx.update(updates, state.inner, params)
+
+        new_updates, inner = jax.lax.cond(state.count < steps, wait, run)
+        return new_updates, DelayState(jnp.minimum(state.count + 1, steps), inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+# Task-specific modules of the encoder models: the per-task heads and a method's
+# conditioning parameters (PALs, TEA embeddings, CA-MTL's modules).
+TASK_MODULES = (r"task_heads/.*", r"conditioning/.*")
+
+
+def task_module_warmup(optimizer: optax.GradientTransformation, warmup_steps: int,
+                       task_modules: Sequence[str] = TASK_MODULES) -> optax.GradientTransformation:
+    """Single-task warm-up of the task-specific modules before multi-task training (the
+    SlapBERT study): for the first `warmup_steps` steps only the parameters whose path
+    fully matches `task_modules` train (each task's modules see only its own rows' loss,
+    so this is every task's single-task warm-up at once); the rest (the shared backbone)
+    starts then, with `optimizer`'s state fresh (`delay`). Both parts use `optimizer`,
+    each with its own state."""
+    if isinstance(task_modules, str):
+        raise TypeError(f"task_modules={task_modules!r} must be a list of regexes")
+    task_modules = tuple(task_modules)
+
+    def labels(params):
+        names = treepath.names(params)
+        mask = jax.tree_util.tree_map_with_path(
+            lambda p, _: any(re.fullmatch(rx, treepath.name(p)) for rx in task_modules), params)
+        if not any(jax.tree.leaves(mask)):
+            raise ValueError(f"task_module_warmup: task_modules={task_modules} match no "
+                             f"parameter; parameter paths look like {names[:5]}")
+        return jax.tree.map(lambda m: "task" if m else "backbone", mask)
+
+    return optax.multi_transform(
+        {"task": optimizer, "backbone": delay(optimizer, warmup_steps)}, labels)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
