@@ -1,0 +1,139 @@
+"""The CS224N encoder study from the pretrained all-MiniLM-L6-v2, run in pieces: each
+(method, seed) trains with `ktx train`, is scored by `cs224n_scores.py`, and leaves a small
+record (config flags, seed, steps, wall time, train loss every log period, dev scores) in
+`docs/results/cs224n/<method>-seed<k>.json`; finished records are skipped, and `--table`
+rebuilds the markdown table of docs/results.md from the records alone.
+
+    DIR=$(python -m ktx.convert.minilm)
+    KTX_DATA_DIR=... python tests/benchmarks/cs224n_study.py --minilm "$DIR" \
+        --methods plain,ca_mtl,pals,mt_uncertainty --seeds 0 --steps 600
+    python tests/benchmarks/cs224n_study.py --table
+
+Every method shares the reduced budget the flags give (steps of BATCH_SIZE rows, length
+MAX_SEQ_LENGTH, mean pooling: all-MiniLM-L6-v2 was trained with it), AdamW with linear
+decay (runs/encoder_train.gin), and differs only by its gin files in `METHODS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+RECORDS = REPO / "docs" / "results" / "cs224n"
+PROXY = "{'cs224n_sts_bert_v001': 'cs224n_quora_bert_v001'}"
+
+# method -> (description, gin files after experiments/cs224n_encoders/minilm_l6.gin, flags)
+METHODS = {
+    "plain": ("plain multi-task", [], []),
+    "ca_mtl": ("CA-MTL Base (bottom half and embeddings frozen)", ["conditioning/ca_mtl.gin"],
+               ["--gin.CAMTL_VARIANT='base'"]),
+    "pals": ("PALs (d_s = 102, 6 heads: 204 x 384 / 768)", ["conditioning/pals.gin"],
+             ["--gin.PALS_SIZE=102"]),
+    "tea_qkv": ("TEA-BERT, task Q/K/V embeddings", ["conditioning/tea_qkv.gin"], []),
+    "mt_uncertainty": ("plain + MT-uncertainty sampling (96 candidates, 32 kept)",
+                       ["runs/mt_uncertainty.gin"],
+                       ["--gin.BATCH_SIZE=96", "--gin.MT_UNCERTAINTY_ROWS=32",
+                        f"--gin.MT_UNCERTAINTY_PROXIES={PROXY}"]),
+    "slapbert": ("shared top layer + PCGrad (mixed batches)",
+                 ["conditioning/shared_layer.gin", "optim/pcgrad.gin"], []),
+}
+
+
+def _flags(method: str, minilm: str, seed: int, steps: int, length: int, model_dir: str) -> list[str]:
+    _, files, extra = METHODS[method]
+    return (["--gin_file=experiments/cs224n_encoders/minilm_l6.gin",
+             *[f"--gin_file={f}" for f in files], "--gin_file=conditioning/mean_pooling.gin",
+             f"--gin.MODEL_DIR='{model_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='hf:{minilm}'",
+             f"--gin.ENCODER_VOCAB='{minilm}'", f"--gin.TRAIN_STEPS={steps}",
+             f"--gin.MAX_SEQ_LENGTH={length}", f"--gin.SEED={seed}"] + extra)
+
+
+def run(method: str, seed: int, args) -> dict:
+    out = RECORDS / f"{method}-seed{seed}.json"
+    if out.exists():
+        print(f"{out.name}: cached", flush=True)
+        return json.loads(out.read_text())
+    model_dir = args.adopt or tempfile.mkdtemp(prefix=f"cs224n_{method}_{seed}_", dir=args.work_dir)
+    flags = _flags(method, args.minilm, seed, args.steps, args.length, model_dir)
+    start = time.time()
+    if not args.adopt:  # else: a finished run of exactly these flags, trained earlier
+        subprocess.run([sys.executable, "-m", "ktx", "train", *flags], check=True, cwd=REPO)
+    seconds = None if args.adopt else time.time() - start
+    scored = subprocess.run([sys.executable, str(REPO / "tests/benchmarks/cs224n_scores.py"),
+                             *flags], check=True, cwd=REPO, capture_output=True, text=True)
+    scores = json.loads(scored.stdout.strip().splitlines()[-1])
+    losses = [{"step": r["step"], "loss": r["loss"]}
+              for r in map(json.loads, (pathlib.Path(model_dir) / "metrics.jsonl").read_text().splitlines())
+              if r.get("split") == "train" and r.get("task") == "all"]
+    record = {"method": method, "description": METHODS[method][0], "seed": seed,
+              "steps": args.steps, "max_seq_length": args.length,
+              "flags": [f for f in flags if "MODEL_DIR" not in f and "'hf:" not in f
+                        and "ENCODER_VOCAB" not in f],
+              "train_seconds": None if seconds is None else round(seconds, 1), "train_loss": losses,
+              "scores": {k: v for k, v in scores.items() if k not in ("benchmark", "model_dir")}}
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({"method": method, "seed": seed, **record["scores"]}), flush=True)
+    return record
+
+
+def _seconds(records) -> str:
+    known = [r["train_seconds"] for r in records if r["train_seconds"] is not None]
+    return f"{sum(known) / len(known):.0f}" if known else "n/a"
+
+
+def table() -> str:
+    records = [json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json"))]
+    lines = ["| method | seeds | steps | SST-5 acc | Quora acc* | STS r | overall | train s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for method in METHODS:
+        mine = [r for r in records if r["method"] == method]
+        if not mine:
+            continue
+
+        def mean(key):
+            return sum(r["scores"][key] for r in mine) / len(mine)
+
+        lines.append(
+            f"| {mine[0]['description']} | {','.join(str(r['seed']) for r in mine)} | "
+            f"{mine[0]['steps']} | {mean('sst_accuracy'):.3f} | {mean('quora_accuracy'):.3f} | "
+            f"{mean('sts_pearson'):.3f} | **{mean('overall'):.3f}** | "
+            f"{_seconds(mine)} |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--minilm", help="the unpacked all-MiniLM-L6-v2 folder (python -m ktx.convert.minilm)")
+    parser.add_argument("--methods", default="plain")
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--work_dir", default=None)
+    parser.add_argument("--table", action="store_true")
+    parser.add_argument("--adopt", default=None,
+                        help="record an already trained MODEL_DIR of one --methods/--seeds run "
+                             "(trained with the flags this script would give; wall time unknown)")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table())
+        return
+    if not args.minilm:
+        parser.error("--minilm DIR is required to train (python -m ktx.convert.minilm prints it)")
+    for method in args.methods.split(","):
+        if method not in METHODS:
+            parser.error(f"--methods: {method!r}; accepted: {sorted(METHODS)}")
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for method in args.methods.split(","):
+            run(method, seed, args)
+    print(table())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
