@@ -15,7 +15,12 @@ INSTALL_REQUIRES = [
     "tensorflow-datasets==4.9.10",
     "importlib_resources==7.1.0",
     "gin-config==0.5.0",
-    "sentencepiece==0.2.3",
+    # sentencepiece 0.2.3's sentencepiece_model_pb2 is protobuf gencode 7.36.1, which refuses a
+    # protobuf 6 runtime; 0.2.2's generated code carries no version check and works with both.
+    "sentencepiece==0.2.2",
+    # apache-beam 2.77.0 (`ktx cache`, ktx[cache]) requires protobuf<7; tensorflow 2.21.0,
+    # tensorboard 2.21.0 and googleapis-common-protos 1.76.0 accept 6.33.x.
+    "protobuf==6.33.6",
     "clu==0.0.12",
     "tensorboard==2.21.0",
     "numpy==2.4.6",
@@ -37,7 +42,12 @@ setuptools.setup(
     package_dir={"ktx.tasks": "tasks"},
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        "test": ["pytest==9.2.0", "pytest-xdist==3.8.0"],
+        # Beam is in ktx[test] too, so that the suite runs `ktx cache` (about 180 MB installed).
+        "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "apache-beam[tfrecord]==2.77.0"],
+        # SeqIO's offline caching on Apache Beam (`ktx cache`; [tfrecord] brings crcmod, which
+        # Beam's TFRecord writer needs). Other runners need their own extras, e.g.
+        # apache-beam[gcp] for Dataflow (docs/data.md).
+        "cache": ["apache-beam[tfrecord]==2.77.0"],
         "bench": [],
         # Ahead-of-time compiles for TPU topologies on any machine (`ktx precompile`).
         "tpu": ["jax[tpu]==0.10.2"],
