@@ -253,7 +253,7 @@ def gin_search_path(extra: Sequence[str] = ()) -> list[str]:
 # once, here, so every library function (orbax included) sees an absolute path.
 PATH_MACROS = (
     "MODEL_DIR", "DATA_DIR", "INITIAL_CHECKPOINT_PATH", "CHECKPOINT_PATH", "INFER_OUTPUT_FILE",
-    "USER_BEHAVIOR_CSV", "LEADERBOARD_DIR",
+    "DATA_PATH", "TEST_FILE", "LEADERBOARD_DIR",
 )
 
 

@@ -1,16 +1,25 @@
 """Multi-behaviour interaction data for the MetaBalance recommendation study.
 
-Three layouts are read (each bad row raises or is counted naming its file and line,
-through `ktx.data.files`):
+These layouts are read (each bad row raises or is counted naming its file and line,
+through `ktx.data.files`; each has a gin file under gin/experiments/recsys/layouts/):
 
 * UserBehavior (Taobao): headerless CSV `user,item,category,behavior,timestamp`,
-  behaviours `pv`, `buy`, `cart`, `fav` (named `click`, `buy`, `cart`, `collect` here).
+  behaviours `pv`, `buy`, `cart`, `fav` (named `click`, `buy`, `cart`, `collect` here);
+  `read_user_behavior`.
 * IJCAI-15 / Tmall `user_log_format1.csv`: header
   `user_id,item_id,cat_id,seller_id,brand_id,time_stamp,action_type`, action types
-  0 click, 1 add-to-cart, 2 purchase, 3 add-to-favourite.
-* Per-behaviour pair files: `<behaviour>.txt` with one `user item` pair per line (ids
-  already contiguous), optionally with given target splits `validation.txt`, `test.txt`
-  and `data_size.txt` (`num_users num_items`), as in the shared Tmall folder.
+  0 click, 1 add-to-cart, 2 purchase, 3 add-to-favourite; `read_ijcai15_log`.
+* One `user item item ...` list file per behaviour; `read_behaviour_lists`.
+* One `user item` pair file per behaviour; `read_behaviour_pairs`. The shared Tmall
+  folder is this layout with given splits `validation.txt`, `test.txt` and
+  `data_size.txt` (`num_users num_items`); `load_tmall_pairs`.
+* MovieLens `user item rating timestamp` (`::` or tab separated), ratings turned into
+  behaviours by thresholds; `read_movielens`.
+
+A given held-out test file of the target (`read_heldout`, any of these layouts)
+replaces the split's test part. Repeated (user, item) rows are counted and reported
+(`MultiBehaviorData.report`), test pairs the training data cannot rank are counted and
+reported, an auxiliary behaviour with no user in common with the target is an error.
 
 Preprocessing follows the MetaBalance paper (He et al., 2022): keep users with at least
 `min_user_purchases` target interactions and items bought by at least
@@ -28,9 +37,12 @@ a pure function of `(seed, step)`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+import math
 import os
 import pathlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -45,6 +57,12 @@ __all__ = [
     "read_user_behavior",
     "read_ijcai15_log",
     "read_pair_file",
+    "read_list_file",
+    "read_behaviour_pairs",
+    "read_behaviour_lists",
+    "read_movielens",
+    "read_heldout",
+    "MOVIELENS_RATING_THRESHOLDS",
     "prepare_multibehavior",
     "load_tmall_pairs",
     "data_size",
@@ -74,19 +92,38 @@ def _parse_id(text: str, what: str, counter: files.BadRowCounter, line: int) -> 
 
 @dataclasses.dataclass
 class Interactions:
-    """Raw interactions per behaviour: `pairs[b]` is int64 `[n_b, 2]` of (user, item) ids."""
+    """Raw interactions per behaviour: `pairs[b]` is int64 `[n_b, 2]` of (user, item) ids.
+
+    `sources[b]` names the file each behaviour came from (for error messages) and
+    `duplicates[b]` counts its repeated (user, item) rows (kept once by the preparation).
+    """
 
     pairs: dict[str, np.ndarray]
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    duplicates: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def behaviours(self) -> tuple[str, ...]:
         return tuple(self.pairs)
 
 
-def _collect(rows: Iterable[tuple[str, int, int]]) -> Interactions:
+def _count_duplicates(pairs: np.ndarray, source: str, what: str) -> int:
+    """Repeated (user, item) rows of `pairs`, logged with the file they came from."""
+    n = len(pairs) - len(_unique_pairs(pairs))
+    if n:
+        logging.warning("%s: %d duplicate (user, item) rows of %s (each pair is kept once)",
+                        source, n, what)
+    return int(n)
+
+
+def _collect(rows: Iterable[tuple[str, int, int]], source: str) -> Interactions:
     acc: dict[str, list[tuple[int, int]]] = {}
     for behaviour, user, item in rows:
         acc.setdefault(behaviour, []).append((user, item))
-    return Interactions({b: np.asarray(v, np.int64).reshape(-1, 2) for b, v in acc.items()})
+    pairs = {b: np.asarray(v, np.int64).reshape(-1, 2) for b, v in acc.items()}
+    return Interactions(
+        pairs, sources={b: source for b in pairs},
+        duplicates={b: _count_duplicates(p, source, repr(b)) for b, p in pairs.items()},
+    )
 
 
 def read_user_behavior(
@@ -116,7 +153,7 @@ def read_user_behavior(
             yield USER_BEHAVIOR_ACTIONS[action], user, item
         counter.report()
 
-    return _collect(rows())
+    return _collect(rows(), str(path))
 
 
 def read_ijcai15_log(path: str | os.PathLike, *, on_bad_row: str = "raise") -> Interactions:
@@ -136,8 +173,9 @@ def read_ijcai15_log(path: str | os.PathLike, *, on_bad_row: str = "raise") -> I
             if user is None or item is None:
                 continue
             yield IJCAI15_ACTIONS[action], user, item
+        counter.report()
 
-    return _collect(rows())
+    return _collect(rows(), str(path))
 
 
 def read_pair_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.ndarray:
@@ -160,6 +198,174 @@ def read_pair_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.
     return np.asarray(out, np.int64).reshape(-1, 2)
 
 
+def _files_of(files: Mapping[str, str | os.PathLike], what: str) -> dict[str, pathlib.Path]:
+    if not isinstance(files, Mapping) or not files:
+        raise ValueError(f"{what}: files={files!r}; expected a non-empty dict behaviour -> path "
+                         "(BEHAVIOUR_FILES)")
+    return {str(b): pathlib.Path(path) for b, path in files.items()}
+
+
+def read_behaviour_pairs(
+    files: Mapping[str, str | os.PathLike], *, on_bad_row: str = "raise"
+) -> Interactions:
+    """One `user item` pair file per behaviour (`{"buy": "buy.txt", "cart": ...}`)."""
+    out = Interactions({})
+    for behaviour, path in _files_of(files, "read_behaviour_pairs").items():
+        pairs = read_pair_file(path, on_bad_row=on_bad_row)
+        out.pairs[behaviour] = pairs
+        out.sources[behaviour] = str(path)
+        out.duplicates[behaviour] = _count_duplicates(pairs, str(path), repr(behaviour))
+    return out
+
+
+def read_list_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.ndarray:
+    """Reads `user item item ...` lines (whitespace-separated; a user's interacted items
+    after its id, a line with the user alone has none) -> int64 `[n, 2]` pairs."""
+    path = files.require_file(path, _HOW)
+    counter = files.BadRowCounter(path, on_bad_row)
+    out: list[tuple[int, int]] = []
+    for line, text in files.read_lines(path):
+        fields = text.split()
+        if not fields:
+            continue
+        user = _parse_id(fields[0], "user", counter, line)
+        if user is None:
+            continue
+        items = [_parse_id(f, f"item {k}", counter, line) for k, f in enumerate(fields[1:], start=1)]
+        out.extend((user, i) for i in items if i is not None)
+    counter.report()
+    return np.asarray(out, np.int64).reshape(-1, 2)
+
+
+def read_behaviour_lists(
+    files: Mapping[str, str | os.PathLike], *, on_bad_row: str = "raise"
+) -> Interactions:
+    """One `user item item ...` list file per behaviour, as several public multi-behaviour
+    benchmarks ship them (`{"buy": "buy.txt", "click": "pv.txt"}`)."""
+    out = Interactions({})
+    for behaviour, path in _files_of(files, "read_behaviour_lists").items():
+        pairs = read_list_file(path, on_bad_row=on_bad_row)
+        out.pairs[behaviour] = pairs
+        out.sources[behaviour] = str(path)
+        out.duplicates[behaviour] = _count_duplicates(pairs, str(path), repr(behaviour))
+    return out
+
+
+MOVIELENS_RATING_THRESHOLDS = {"dislike": 0.0, "neutral": 3.0, "like": 4.0}
+
+
+def _check_thresholds(thresholds: Mapping[str, float]) -> list[tuple[float, str]]:
+    if not isinstance(thresholds, Mapping) or not thresholds:
+        raise ValueError(f"rating_thresholds={thresholds!r}: expected a non-empty dict "
+                         "behaviour -> lowest rating")
+    try:
+        out = sorted((float(v), str(b)) for b, v in thresholds.items())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"rating_thresholds={thresholds!r}: thresholds must be numbers") from e
+    if len({v for v, _ in out}) != len(out):
+        raise ValueError(f"rating_thresholds={thresholds!r}: two behaviours share a threshold")
+    return out
+
+
+def read_movielens(
+    path: str | os.PathLike,
+    *,
+    rating_thresholds: Mapping[str, float] | None = None,
+    on_bad_row: str = "raise",
+) -> Interactions:
+    """Reads MovieLens ratings, `user item rating [timestamp]` separated by `::`
+    (ml-1m `ratings.dat`) or tabs (ml-100k `u.data`), one rating per line.
+
+    A rating becomes the behaviour with the largest threshold at or below it
+    (`rating_thresholds`, default `{"dislike": 0, "neutral": 3, "like": 4}`: 4 and 5 are
+    "like"). A rating below every threshold is counted and reported, not a behaviour.
+    """
+    levels = _check_thresholds(MOVIELENS_RATING_THRESHOLDS if rating_thresholds is None
+                               else rating_thresholds)
+    path = files.require_file(path, _HOW)
+    counter = files.BadRowCounter(path, on_bad_row)
+    below = 0
+
+    def rows():
+        nonlocal below
+        for line, text in files.read_lines(path):
+            if not text.strip():
+                continue
+            fields = text.split("::") if "::" in text else text.split("\t")
+            if len(fields) not in (3, 4):
+                counter.bad(line, "expected 'user item rating timestamp' separated by '::' or "
+                            f"tabs, found {len(fields)} field(s)")
+                continue
+            user = _parse_id(fields[0], "user", counter, line)
+            item = _parse_id(fields[1], "item", counter, line) if user is not None else None
+            if user is None or item is None:
+                continue
+            try:
+                rating = float(fields[2])
+            except ValueError:
+                counter.bad(line, f"rating {fields[2].strip()!r} is not a number")
+                continue
+            if not math.isfinite(rating):
+                counter.bad(line, f"rating {fields[2].strip()!r} is not finite")
+                continue
+            behaviour = None
+            for threshold, name in levels:
+                if rating >= threshold:
+                    behaviour = name
+            if behaviour is None:
+                below += 1
+                continue
+            yield behaviour, user, item
+        counter.report()
+
+    out = _collect(rows(), str(path))
+    if below:
+        logging.warning("%s: %d ratings below every threshold of %s are not a behaviour",
+                        path, below, dict((b, v) for v, b in levels))
+    return out
+
+
+HELDOUT_LAYOUTS = ("pairs", "lists", "movielens", "user_behavior", "ijcai15")
+
+
+def read_heldout(
+    path: str | os.PathLike | None,
+    *,
+    layout: str,
+    target: str = "buy",
+    rating_thresholds: Mapping[str, float] | None = None,
+    on_bad_row: str = "raise",
+) -> np.ndarray | None:
+    """A given held-out test file (TEST_FILE) of the target behaviour, in the layout of
+    the data: `user item` pairs, `user item item ...` lists, or a MovieLens / UserBehavior
+    / IJCAI-15 log of which the `target` rows are taken. None when `path` is None.
+    A file without any (user, item) pair of the target is an error."""
+    if path is None:
+        return None
+    if layout not in HELDOUT_LAYOUTS:
+        raise ValueError(f"read_heldout(layout={layout!r}); accepted: {HELDOUT_LAYOUTS}")
+    if layout == "pairs":
+        pairs = read_pair_file(path, on_bad_row=on_bad_row)
+    elif layout == "lists":
+        pairs = read_list_file(path, on_bad_row=on_bad_row)
+    else:
+        read = {"movielens": functools.partial(read_movielens, rating_thresholds=rating_thresholds),
+                "user_behavior": read_user_behavior, "ijcai15": read_ijcai15_log}[layout]
+        inter = read(path, on_bad_row=on_bad_row)
+        pairs = inter.pairs.get(target, np.zeros((0, 2), np.int64))
+        others = {b: len(p) for b, p in inter.pairs.items() if b != target}
+        if others:
+            logging.warning("%s: held-out test file: only the %d %r rows are tested; the rows "
+                            "of other behaviours %s are not", path, len(pairs), target, others)
+    if not len(pairs):
+        raise files.DataFileError(
+            f"{path}: the held-out test file has no (user, item) pair"
+            + ("" if layout in ("pairs", "lists") else f" of the target {target!r}")
+            + "; give the target's test interactions or leave TEST_FILE = None for the "
+            "70/10/20 split")
+    return pairs
+
+
 @dataclasses.dataclass
 class MultiBehaviorData:
     """Preprocessed data; ids are contiguous in `[0, num_users)` x `[0, num_items)`.
@@ -170,6 +376,10 @@ class MultiBehaviorData:
       validation, test: the target's held-out int64 `[n, 2]` pairs.
       leakage_removed: behaviour -> auxiliary pairs removed because they are in the
         target's validation or test split.
+      report: counts of what the preparation removed, e.g. `duplicates/<behaviour>`
+        (repeated rows), `test_pairs_dropped` (given test pairs whose user or item is not
+        in the training data), `test_pairs_in_train` (given test pairs removed from the
+        target's training pairs).
     """
 
     num_users: int
@@ -179,6 +389,7 @@ class MultiBehaviorData:
     validation: np.ndarray
     test: np.ndarray
     leakage_removed: dict[str, int] = dataclasses.field(default_factory=dict)
+    report: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def target(self) -> str:
@@ -189,6 +400,7 @@ class MultiBehaviorData:
         out.update({f"train/{b}": len(p) for b, p in self.train.items()})
         out.update({"validation": len(self.validation), "test": len(self.test)})
         out.update({f"leakage_removed/{b}": n for b, n in self.leakage_removed.items()})
+        out.update(self.report)
         return out
 
 
@@ -227,23 +439,38 @@ def prepare_multibehavior(
     interactions: Interactions,
     *,
     target: str = "buy",
-    auxiliaries: Sequence[str] = ("collect", "cart"),
+    auxiliaries: Sequence[str] | None = ("collect", "cart"),
     min_user_purchases: int = 0,
     min_item_buyers: int = 0,
     split_fractions: Sequence[float] = (0.7, 0.1, 0.2),
     seed: int = 0,
+    test: np.ndarray | None = None,
 ) -> MultiBehaviorData:
     """Filters, re-indexes, splits the target 70/10/20 per user and removes leakage.
 
     Items bought by fewer than `min_item_buyers` users are dropped first, then users
     with fewer than `min_user_purchases` remaining purchases (one pass each). Users and
     items that survive are re-indexed contiguously (in increasing raw id order);
-    auxiliary interactions of dropped users/items are dropped.
+    auxiliary interactions of dropped users/items are dropped. `auxiliaries=None` takes
+    every other behaviour of the data, in its order.
+
+    `test` (raw-id pairs of a given held-out file, `read_heldout`) replaces the split's
+    test part: those pairs leave the target's training pairs, each user's remaining
+    ones are split train/validation in the ratio of `split_fractions[:2]`, and test
+    pairs whose user or item is not in the filtered training data are dropped, counted
+    in `report["test_pairs_dropped"]` and logged (all of them dropped is an error).
+    Repeated rows are counted per behaviour in `report["duplicates/<b>"]`. An
+    auxiliary behaviour with no user in common with the target is an error.
     """
     available = interactions.behaviours()
-    for name in (target, *auxiliaries):
+    if target not in available:
+        raise ValueError(f"TARGET_BEHAVIOUR {target!r} is not in the data; found {list(available)}")
+    if auxiliaries is None:
+        auxiliaries = tuple(b for b in available if b != target)
+    auxiliaries = tuple(auxiliaries)
+    for name in auxiliaries:
         if name not in available:
-            raise ValueError(f"behaviour {name!r} is not in the data; found {sorted(available)}")
+            raise ValueError(f"behaviour {name!r} is not in the data; found {list(available)}")
     if target in auxiliaries:
         raise ValueError(f"auxiliaries={list(auxiliaries)!r} must not contain the target {target!r}")
     fr = tuple(float(f) for f in split_fractions)
@@ -252,7 +479,29 @@ def prepare_multibehavior(
     for name, v in (("min_user_purchases", min_user_purchases), ("min_item_buyers", min_item_buyers)):
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"{name}={v!r}: expected a non-negative int")
+
+    def where(b):
+        return f" ({interactions.sources[b]})" if b in interactions.sources else ""
+
+    report = {f"duplicates/{b}": int(interactions.duplicates.get(b, 0)) for b in (target, *auxiliaries)}
     buys = _unique_pairs(interactions.pairs[target])
+    target_users = np.unique(buys[:, 0])
+    for a in auxiliaries:
+        aux = interactions.pairs[a].reshape(-1, 2)
+        if not np.isin(aux[:, 0], target_users).any():
+            raise ValueError(
+                f"behaviour {a!r}{where(a)}: none of its {len(aux)} rows has a user of the "
+                f"target {target!r}{where(target)}; the files must use the same user ids")
+    if test is not None:
+        test = _unique_pairs(np.asarray(test, np.int64).reshape(-1, 2))
+        if not len(test):
+            raise ValueError("test: the given held-out test pairs are empty")
+        kept = ~np.isin(_keys(buys, 1 << 31), _keys(test, 1 << 31))
+        report["test_pairs_in_train"] = int((~kept).sum())
+        if report["test_pairs_in_train"]:
+            logging.warning("%d held-out test pairs are also %r interactions: removed from "
+                            "training", report["test_pairs_in_train"], target)
+        buys = buys[kept]
     items, buyers = np.unique(buys[:, 1], return_counts=True)
     buys = buys[np.isin(buys[:, 1], items[buyers >= min_item_buyers])]
     users, purchases = np.unique(buys[:, 0], return_counts=True)
@@ -273,11 +522,37 @@ def prepare_multibehavior(
             [np.searchsorted(user_ids, pairs[:, 0]), np.searchsorted(item_ids, pairs[:, 1])], axis=1
         ).astype(np.int64)
 
-    train, val, test = _split_per_user(reindex(buys), fr, seed)
-    return _assemble(
+    if test is None:
+        train, val, test_out = _split_per_user(reindex(buys), fr, seed)
+    else:
+        known = np.isin(test[:, 0], user_ids) & np.isin(test[:, 1], item_ids)
+        report["test_pairs_dropped"] = int((~known).sum())
+        if not known.any():
+            raise ValueError(
+                f"none of the {len(test)} held-out test pairs has a user and an item of the "
+                f"{target!r} training data (after min_user_purchases={min_user_purchases}, "
+                f"min_item_buyers={min_item_buyers}); check that the test file uses the same ids")
+        if report["test_pairs_dropped"]:
+            logging.warning(
+                "%d of %d held-out test pairs name a user or item absent from the %r training "
+                "data (after the filters): not ranked", report["test_pairs_dropped"], len(test), target)
+        share = fr[1] / (fr[0] + fr[1]) if fr[0] + fr[1] > 0 else 0.0
+        train, val, _ = _split_per_user(reindex(buys), (1.0 - share, share, 0.0), seed)
+        test_out = reindex(test)
+    aux_train = {}
+    for a in auxiliaries:
+        aux_train[a] = reindex(interactions.pairs[a])
+        if not len(aux_train[a]):
+            raise ValueError(
+                f"behaviour {a!r}{where(a)}: no pair left with a user and an item of the "
+                f"filtered {target!r} data (min_user_purchases={min_user_purchases}, "
+                f"min_item_buyers={min_item_buyers})")
+    data = _assemble(
         len(user_ids), len(item_ids), target, auxiliaries,
-        {target: train, **{a: reindex(interactions.pairs[a]) for a in auxiliaries}}, val, test,
+        {target: train, **aux_train}, val, test_out,
     )
+    data.report.update(report)
+    return data
 
 
 def _assemble(num_users, num_items, target, auxiliaries, train, val, test) -> MultiBehaviorData:
@@ -362,7 +637,7 @@ def data_size(data: MultiBehaviorData, what: str) -> int:
     """`data.num_users` (`what="users"`), `data.num_items` ("items") or the number of
     behaviours ("tasks"): lets gin size the model from the data it loads, e.g.
     `NUM_USERS = @users/recsys_data.data_size()` with `users/recsys_data.data_size.what =
-    'users'` (see gin/experiments/recsys/user_behavior.gin)."""
+    'users'` (see gin/experiments/recsys/layouts/common.gin)."""
     sizes = {"users": data.num_users, "items": data.num_items, "tasks": len(data.behaviours)}
     if what not in sizes:
         raise ValueError(f"data_size(what={what!r}); accepted: {sorted(sizes)}")

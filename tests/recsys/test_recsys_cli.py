@@ -204,8 +204,8 @@ def test_user_behavior_experiment_prepares_and_sizes_from_gin(tmp_path, capsys):
     csv = tmp_path / "UserBehavior.csv"
     csv.write_text("\n".join(rows) + "\n")
     model_dir = tmp_path / "ub"
-    rc = cli.main(["train", "--gin_file=experiments/recsys/user_behavior.gin",
-                   "--gin_file=runs/recsys_train.gin", f"--gin.USER_BEHAVIOR_CSV='{csv}'",
+    rc = cli.main(["train", "--gin_file=experiments/recsys/layouts/user_behavior.gin",
+                   "--gin_file=runs/recsys_train.gin", f"--gin.DATA_PATH='{csv}'",
                    f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIN_USER_PURCHASES=2",
                    "--gin.MIN_ITEM_BUYERS=1", "--gin.MAX_EPOCHS=1", "--gin.RECSYS_BATCH_SIZE=32",
                    "--gin.EMBED_DIM=8"])
