@@ -1,9 +1,10 @@
-"""`ktx train | eval | infer | params | analyze`: the gin edge of ktx (the only library module that
+"""`ktx train | eval | infer | params | analyze | cache`: the gin edge of ktx (the only library module that
 imports gin).
 
     ktx train --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'/tmp/qs'"
     ktx eval  --gin_file=runs/quickstart.gin --gin_file=runs/eval.gin --gin.MODEL_DIR="'/tmp/qs'"
     python -m ktx infer --gin_file=... --gin.CHECKPOINT_STEP=200
+    ktx cache --tasks=glue_rte_v002 --splits=train,validation --cache_dir=/data/seqio_cache
 
 Flags: `--gin_file` (repeatable; later files override earlier ones), `--gin.NAME=VALUE`
 (a binding, applied after every file: `--gin.TRAIN_STEPS=100`,
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 
 from ktx.cli.commands import (
     _analyze,
+    _cache_command,
     _check_run_macros,
     _convert_command,
     _params_command,
@@ -59,7 +61,7 @@ __all__ = [
 ]
 
 
-COMMANDS = ("train", "eval", "infer", "params", "analyze", "import", "export", "precompile")
+COMMANDS = ("train", "eval", "infer", "params", "analyze", "import", "export", "precompile", "cache")
 
 
 _HELP = {
@@ -71,10 +73,11 @@ _HELP = {
     "import": "SRC OUT: a ktx checkpoint directory from hf:DIR, t5x:DIR or camtl:DIR",
     "export": "SRC OUT: a run's checkpoint as hf:DIR, t5x:DIR or conditioning:FILE",
     "precompile": "compile the train step for a TPU topology; per-chip memory and FLOPs",
+    "cache": "SeqIO's offline cache of tasks (Apache Beam): training reads it with use_cached",
 }
 
 
-_GIN_COMMANDS = ("train", "eval", "infer", "params", "analyze", "precompile")
+_GIN_COMMANDS = ("train", "eval", "infer", "params", "analyze", "precompile", "cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands["precompile"].add_argument(
         "--topology", default=None,
         help="a TPU topology as JAX names it (v4:4x4x4, v5e:16x16) or cpu")
+    c = commands["cache"]
+    c.add_argument("--tasks", default="", help="tasks or mixtures to cache, comma-separated")
+    c.add_argument("--cache_dir", default=None, help="the cache root (local or gs://)")
+    c.add_argument("--splits", default="train,validation",
+                   help="splits to cache, comma-separated; every task must have each")
+    c.add_argument("--pipeline_options", default="--runner=DirectRunner",
+                   help="Beam pipeline flags in one string (docs/data.md: Dataflow)")
+    c.add_argument("--min_shards", type=int, default=64,
+                   help="output files per split: max(input shards, min_shards)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="remove a task's existing cache in --cache_dir and rebuild it")
     a = commands["analyze"]
     a.add_argument("args", nargs="+", help="`gradients RUN_DIR` or `attention`")
     a.add_argument("--out", default=None, help="gradients: output PNG")
@@ -141,7 +155,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 _DEFAULTS = dict(args=[], gin_file=[], gin_search_paths="", multihost=False, topology=None,
                  coordinator_address=None, num_processes=None, process_id=None, heartbeat_timeout=100,
                  out=None,
-                 checkpoint=None, backbone_only=False, task=None, out_dir=None, split="validation", max_examples=100)
+                 checkpoint=None, backbone_only=False, task=None, out_dir=None, split="validation", max_examples=100,
+                 tasks="", cache_dir=None, splits="train,validation", pipeline_options="--runner=DirectRunner",
+                 min_shards=64, overwrite=False)
 
 
 def _report_failure(e: BaseException, command: str) -> None:
@@ -182,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI edge: one line, traceback to a file
         if args.debug:
             raise
-        if args.command in ("analyze", "import", "export") and isinstance(
+        if args.command in ("analyze", "import", "export", "cache") and isinstance(
             e, (FileNotFoundError, ValueError)
         ):
             print(f"ktx: {_first_line(e)}", file=sys.stderr)  # a wrong argument or input
@@ -223,6 +239,8 @@ def _run(args, bindings) -> int:
         return 0
     if args.command == "precompile":
         return _precompile_command(args)
+    if args.command == "cache":
+        return _cache_command(args)
     _check_run_macros(args.command)
     model_dir = _query_macro("MODEL_DIR")
     if args.command == "train":

@@ -1,11 +1,14 @@
 """The commands that are not a run: `ktx analyze`, `ktx params`, `ktx precompile`,
-`ktx import` / `ktx export`, and the edge checks of a run's macros."""
+`ktx import` / `ktx export`, `ktx cache`, and the edge checks of a run's macros."""
 
 from __future__ import annotations
 
 import difflib
+import logging
 import pathlib
+import shlex
 import sys
+import time
 from collections.abc import Sequence
 
 from ktx.cli.gin_config import (
@@ -142,6 +145,51 @@ def _precompile_command(args) -> int:
         return 3
     print(report.format())
     return 3 if report.fits is False else 0
+
+
+_CACHE_USAGE = ("ktx cache --tasks=NAME[,NAME...] --cache_dir=DIR [--splits=train,validation] "
+                 "[--pipeline_options=\"--runner=DirectRunner ...\"] [--min_shards=64] [--overwrite] "
+                 "[--gin_file=... --gin.DATA_DIR=...]")
+
+
+def _cache_command(args) -> int:
+    """`ktx cache`: SeqIO's offline cache of the named tasks (mixtures expanded) and splits,
+    written by SeqIO's Beam transforms (`ktx.data.seqio_cache.cache_tasks`) on the runner
+    of `--pipeline_options`; the data folder is the gin DATA_DIR (else $KTX_DATA_DIR)."""
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    for flag, value in (("tasks", names), ("cache_dir", args.cache_dir), ("splits", splits)):
+        if not value:
+            raise GinConfigError(f"ktx cache needs --{flag}; usage: {_CACHE_USAGE}")
+    try:
+        options = shlex.split(args.pipeline_options)
+    except ValueError as e:
+        raise GinConfigError(f"--pipeline_options={args.pipeline_options!r}: {e}") from e
+    cache_dir = absolute_path(args.cache_dir)
+    import ktx.tasks  # noqa: F401  (registers the tasks)
+    from ktx.data import seqio_cache
+
+    # Beam's BigQuery client warns at import that apitools is missing: ktx cache uses no BigQuery.
+    root = logging.getLogger()
+    drop = lambda record: not record.getMessage().startswith("apitools not found")  # noqa: E731
+    root.addFilter(drop)
+    try:
+        import apache_beam  # noqa: F401
+    except ModuleNotFoundError:
+        pass  # cache_tasks names the extra to install
+    finally:
+        root.removeFilter(drop)
+    start = time.perf_counter()
+    folders = seqio_cache.cache_tasks(names, cache_dir, splits, options, overwrite=args.overwrite,
+                                      min_shards=args.min_shards)
+    for name, folder in folders.items():
+        counts = ", ".join(f"{split} {seqio_cache.cache_stats(cache_dir, name, split)['examples']}"
+                           for split in splits)
+        print(f"cached {name} ({counts} examples) in {folder}")
+    print(f"{len(folders)} task(s) cached in {time.perf_counter() - start:.0f} s; train on them with "
+          f"--gin.pipeline.MultiTaskInput.use_cached=True "
+          f"--gin.pipeline.MultiTaskInput.seqio_cache_dir=\"'{cache_dir}'\"")
+    return 0
 
 
 def _params_command(files, bindings) -> None:

@@ -59,6 +59,7 @@ from ktx.data import encoder_features as ef
 from ktx.data import feature_converter as fc
 from ktx.data import files
 from ktx.data import mixing as mixing_lib
+from ktx.data import seqio_cache
 from ktx.data import wordpiece
 
 __all__ = ["LAYOUTS", "TASK_KINDS", "MultiTaskInput", "mixture_task_names", "mixture_rates",
@@ -164,7 +165,11 @@ class MultiTaskInput:
       layout: "task_partitioned" or "sampled" (see the module docstring).
       mixing: a `ktx.data.mixing.Mixing`, a kind name, or None for the mixture's rates.
       pack: pack several examples of one task per row.
-      use_cached: read seqio's offline cache of the tasks (`get_dataset(use_cached=...)`).
+      use_cached: read SeqIO's offline cache of the tasks (`get_dataset(use_cached=...)`),
+        built by `ktx cache` (`ktx.data.seqio_cache`); a task that is not cached raises
+        ValueError naming it and the `ktx cache` command. The cache holds the examples in
+        Beam's shuffled order, so a cached run's batches differ from an uncached run's with
+        the same seed (the same examples; cached runs agree with each other).
       cache_dir: when set, converted arrays are saved to / loaded from
         `<cache_dir>/<task>/<split>-<hash>.npz` (hash of lengths, pack and seed).
       process_index, process_count: this process and the number of processes
@@ -181,6 +186,9 @@ class MultiTaskInput:
       num_labels: encoder tasks: the model's head sizes (one int for all, or one per task;
         gin binds the model's `NUM_LABELS`); each must match its task's labels (classes,
         or 1 for a regression), else ValueError. None: not checked.
+      seqio_cache_dir: with `use_cached`: the folder `ktx cache --cache_dir` wrote, added
+        to SeqIO's global cache directories (`seqio.add_global_cache_dirs`); None: the
+        tasks must be cached in those already set.
     """
 
     def __init__(
@@ -202,7 +210,11 @@ class MultiTaskInput:
         on_bad_row: str | None = None,
         encoder_vocabulary: str | os.PathLike | None = None,
         num_labels: int | Sequence[int] | None = None,
+        seqio_cache_dir: str | os.PathLike | None = None,
     ):
+        if seqio_cache_dir is not None and not use_cached:
+            raise ValueError(f"seqio_cache_dir={seqio_cache_dir!r} is read only with use_cached=True")
+        self.seqio_cache_dir = seqio_cache_dir
         if on_bad_row is not None and on_bad_row not in files.BAD_ROW_POLICIES:
             raise ValueError(f"on_bad_row={on_bad_row!r}; accepted: {files.BAD_ROW_POLICIES} or None")
         # Default: this JAX process's share (after `jax.distributed.initialize()`).
@@ -492,6 +504,8 @@ class MultiTaskInput:
             with np.load(path) as data:
                 arrays = {k: data[k] for k in data.files}
             return fc.add_task_id(arrays, task, np.uint16)
+        if self.use_cached:
+            seqio_cache.require_cached(name, split, self.seqio_cache_dir)
         seqio_task = seqio.get_mixture_or_task(name)
         if split not in seqio_task.splits:
             raise ValueError(f"task {name!r} has no split {split!r}; splits: {tuple(seqio_task.splits)}")
