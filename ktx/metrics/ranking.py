@@ -111,9 +111,10 @@ def _bucket(n: int, minimum: int = 64) -> int:
 
 
 # On a CPU the item block is sized to stay in cache (its intermediates: pairs x the
-# model's bytes per pair); measured on the development machine (docs/results_recsys.md),
-# blocks of 16-32k pairs beat both smaller ones and blocks of 65k pairs (256 x 256) by
-# 1.5-2x. On accelerators the block is sized from memory.
+# model's bytes per pair). On the 2-core development machine (docs/results_recsys.md)
+# 64 users x ~233 items (15k pairs, 16 MiB at the paper network's 1,124 bytes per pair)
+# ran 1.3-1.6x faster than 256 x 256 in the same run, and 8k-pair blocks were no faster.
+# On accelerators the chunk and the block are sized from free device memory.
 CPU_BLOCK_BYTES = 16 << 20
 CPU_USER_CHUNK = 64
 DEFAULT_BYTES_PER_PAIR = 1024
