@@ -62,7 +62,7 @@ import jax.numpy as jnp
 
 from ktx.models.t5 import ACTIVATION_DTYPES
 from ktx.models.t5_stack import check_remat_policy, layer_class
-from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, VOCAB
+from ktx.partitioning import BATCH, EMBED, HEADS, KV, LAYERS, LENGTH, MLP, VOCAB
 
 __all__ = [
     "HIDDEN_ACTS",
@@ -79,6 +79,7 @@ __all__ = [
     "attention_mask_from",
     "add_perturbation",
     "check_shared_layers",
+    "refuse_scan_layers",
     "POOLINGS",
     "check_pooling",
     "pool_hidden",
@@ -131,7 +132,11 @@ class BertConfig:
     activation dtype ("float32" or "bfloat16"); parameters stay float32. `remat_policy`
     rematerialises each layer of `BertEncoder` and `SharedTopLayers` as T5's does
     (`ktx.models.t5_stack`: "none" | "minimal" | "full", same numbers); the encoder
-    methods' own layers (CA-MTL, PALs) do not rematerialise yet.
+    methods' own layers (CA-MTL, PALs) do not rematerialise yet. `scan_layers` runs the
+    `num_layers` layers of `BertEncoder` as one `nn.scan` (parameters stacked on a leading
+    `layers` axis under the root scope `layers`; `ktx.models.scan_layout` converts trees
+    between the layouts), as `T5Config.scan_layers`; the methods with their own layers
+    (CA-MTL, PALs, TEA) refuse it.
     """
 
     vocab_size: int = 30522
@@ -147,8 +152,11 @@ class BertConfig:
     attention_dropout_rate: float = 0.1
     dtype: str = "float32"
     remat_policy: str = "none"
+    scan_layers: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"BertConfig.scan_layers={self.scan_layers!r}; accepted: True or False")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                      "intermediate_size", "max_position", "type_vocab_size"):
             value = getattr(self, name)
@@ -340,9 +348,11 @@ class BertLayer(nn.Module):
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     dtype: Dtype = jnp.float32
+    scanned: bool = False  # the body of a scanned stack: returns `(x, None)`
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, deterministic: bool) -> Array:
+    def __call__(self, x: Array, mask: Array, deterministic: bool, layer_inputs: Any = None):
+        del layer_inputs  # a scanned stack's per-layer slice (BERT layers take none)
         hidden = x.shape[-1]
         a = BertAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
                           self.dtype, name="attention")(x, mask, deterministic)
@@ -355,7 +365,8 @@ class BertLayer(nn.Module):
         h = _dense(hidden, (MLP, EMBED), (EMBED,), dtype=self.dtype, name="output")(h)
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         x = _layer_norm(self.layer_norm_eps, self.dtype, "output_layer_norm")(x + h)
-        return nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+        x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
+        return (x, None) if self.scanned else x
 
 
 class BertMLMHead(nn.Module):
@@ -402,6 +413,14 @@ class SharedTopLayers(nn.Module):
         return x
 
 
+def refuse_scan_layers(owner: str, config: BertConfig) -> None:
+    """ValueError for a method with its own layer modules given `scan_layers=True`."""
+    if config.scan_layers:
+        raise ValueError(
+            f"{owner}: BertConfig.scan_layers=True (gin macro SCAN_LAYERS) scans plain BERT "
+            "layers only; this method's layers are its own modules: set SCAN_LAYERS = False")
+
+
 def check_shared_layers(owner: str, value: Any) -> int:
     """`value` as a number of shared top layers (an int >= 0); ValueError naming `owner`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -444,13 +463,19 @@ class BertEncoder(nn.Module):
         self.embeddings = BertEmbeddings(
             c.vocab_size, c.hidden_size, c.max_position, c.type_vocab_size, c.layer_norm_eps,
             c.dropout_rate, dtype)
-        layer_cls = layer_class(BertLayer, c.remat_policy, _STATIC_ARGNUMS, scanned=False)
-        self.layers = [
-            layer_cls(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
-                      c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
-                      name=f"layers_{i}")
-            for i in range(c.num_layers)
-        ]
+        fields = (c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+                  c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype)
+        if c.scan_layers:
+            body = layer_class(BertLayer, c.remat_policy, _STATIC_ARGNUMS, scanned=True)
+            self.layers = nn.scan(
+                body, variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast, 0), length=c.num_layers,
+                metadata_params={nn.PARTITION_NAME: LAYERS},
+            )(*fields, scanned=True, name="layers")
+        else:
+            layer_cls = layer_class(BertLayer, c.remat_policy, _STATIC_ARGNUMS, scanned=False)
+            self.layers = [layer_cls(*fields, name=f"layers_{i}") for i in range(c.num_layers)]
         self.pooler = _dense(c.hidden_size, (EMBED, MLP), (MLP,), dtype=dtype)
         self.mlm = BertMLMHead(c.vocab_size, c.hidden_act, c.layer_norm_eps, dtype)
         self.shared_layers = (SharedTopLayers(c, self.num_shared_layers)
@@ -477,8 +502,11 @@ class BertEncoder(nn.Module):
         mask = attention_mask_from(input_ids, attention_mask)
         x = add_perturbation(self.embeddings(input_ids, token_type_ids, deterministic),
                              embedding_perturbation)
-        for layer in self.layers:
-            x = layer(x, mask, deterministic)
+        if self.config.scan_layers:
+            x, _ = self.layers(x, mask, deterministic, None)
+        else:
+            for layer in self.layers:
+                x = layer(x, mask, deterministic)
         if self.shared_layers is not None:
             x = self.shared_layers(x, mask, deterministic)
         pooled = pool_hidden(x, mask, self.pooler, self.pooling) if pool else None

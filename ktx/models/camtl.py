@@ -290,6 +290,7 @@ class CaMtlClassifierModel(encoder.EncoderClassifierModel):
         **kwargs,
     ):
         super().__init__(config, frozen_layers=frozen_layers, **kwargs)
+        bert.refuse_scan_layers(type(self).__name__, self.config)
         camtl = CaMtlConfig() if camtl is None else camtl
         if not isinstance(camtl, CaMtlConfig):
             raise TypeError(f"CaMtlClassifierModel.camtl must be a CaMtlConfig, got "

@@ -314,6 +314,7 @@ class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
                          frozen_layers=frozen_layers, pooling=pooling)
+        bert.refuse_scan_layers(type(self).__name__, self.config)
         self.module = ConditionedBertClassifier(
             config=self.config, num_labels=self.num_labels,
             classifier_dropout=self.classifier_dropout, conditioning=self._conditioning(),

@@ -6,7 +6,9 @@ layer, `encoder/layers_3/attention/query/kernel` `[E, H, D]`. Scanned (`scan_lay
 layer axis, `encoder/layers/attention/query/kernel` `[L, E, H, D]`. The same holds for the
 decoder and for any other per-layer variable (the decode cache). Everything else (the
 embedding, the final norms, the relative position biases, `conditioning/`) is the same in
-both layouts.
+both layouts. A BERT encoder (`BertConfig.scan_layers`) keeps its stack at the root:
+`layers_3/attention/query/kernel` <-> `layers/attention/query/kernel` (only there: a
+method's `conditioning/layers_<i>` or `shared_layers/layers_<i>` are not its stack).
 
 `convert_layout(tree, scanned=...)` is the one conversion, both ways: checkpoint import
 and export and restoring a checkpoint of one layout into a model of the other call it.
@@ -28,8 +30,17 @@ from ktx.treepath import flatten, unflatten
 __all__ = ["SIDES", "convert_layout", "is_scanned", "layout_mismatch", "num_layers"]
 
 SIDES = ("encoder", "decoder")
-_UNROLLED = re.compile(r"^((?:.*/)?)(encoder|decoder)/layers_(\d+)/(.+)$")
-_SCANNED = re.compile(r"^((?:.*/)?)(encoder|decoder)/layers/(.+)$")
+# (prefix, side) is ("...", "encoder" | "decoder") for T5's stacks, ("", "") for BERT's.
+_UNROLLED = re.compile(r"^(?:((?:.*/)?)(encoder|decoder)/)?layers_(\d+)/(.+)$")
+_SCANNED = re.compile(r"^(?:((?:.*/)?)(encoder|decoder)/)?layers/(.+)$")
+
+
+def _where(m: re.Match) -> tuple[str, str]:
+    return m.group(1) or "", m.group(2) or ""
+
+
+def _path(prefix: str, side: str, tail: str) -> str:
+    return f"{prefix}{side}/{tail}" if side else tail
 
 
 def _is_flat(tree: Mapping[str, Any]) -> bool:
@@ -42,16 +53,16 @@ def _layouts(flat: Mapping[str, Any]) -> dict[tuple[str, str], set[str]]:
     for path in flat:
         m = _UNROLLED.match(path)
         if m:
-            found.setdefault((m.group(1), m.group(2)), set()).add("unrolled")
+            found.setdefault(_where(m), set()).add("unrolled")
             continue
         m = _SCANNED.match(path)
         if m:
-            found.setdefault((m.group(1), m.group(2)), set()).add("scanned")
+            found.setdefault(_where(m), set()).add("scanned")
     for (prefix, side), kinds in found.items():
         if len(kinds) > 1:
             raise ValueError(
-                f"{prefix}{side}: holds both unrolled (layers_<i>/...) and scanned (layers/...) "
-                "parameters; a tree is in one layout")
+                f"{_path(prefix, side, '') or 'the root'}: holds both unrolled (layers_<i>/...) "
+                "and scanned (layers/...) parameters; a tree is in one layout")
     return found
 
 
@@ -65,15 +76,16 @@ def is_scanned(tree: Mapping[str, Any]) -> bool | None:
 
 
 def num_layers(tree: Mapping[str, Any], side: str) -> int:
-    """The number of layers of `side` ("encoder"/"decoder") in either layout (0: none)."""
+    """The number of layers of `side` ("encoder"/"decoder"; "" for a BERT stack) in either
+    layout (0: none)."""
     flat = tree if _is_flat(tree) else flatten(tree)
     count = 0
     for path, value in flat.items():
         m = _UNROLLED.match(path)
-        if m and m.group(2) == side:
+        if m and _where(m)[1] == side:
             count = max(count, int(m.group(3)) + 1)
         m = _SCANNED.match(path)
-        if m and m.group(2) == side:
+        if m and _where(m)[1] == side:
             count = max(count, int(np.shape(value)[0]))
     return count
 
@@ -92,7 +104,7 @@ def _to_scanned(flat: Mapping[str, Any]) -> dict[str, Any]:
         if not m:
             out[path] = value
             continue
-        prefix, side, index, rest = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+        (prefix, side), index, rest = _where(m), int(m.group(3)), m.group(4)
         groups.setdefault((prefix, side, rest), {})[index] = value
     sizes: dict[tuple[str, str], set[int]] = {}
     for (prefix, side, rest), by_index in groups.items():
@@ -100,14 +112,15 @@ def _to_scanned(flat: Mapping[str, Any]) -> dict[str, Any]:
         missing = sorted(set(range(n)) - set(by_index))
         if missing:
             raise ValueError(
-                f"{prefix}{side}/layers_<i>/{rest}: layers {missing} missing (have "
+                f"{_path(prefix, side, 'layers_<i>/' + rest)}: layers {missing} missing (have "
                 f"{sorted(by_index)}); cannot stack an incomplete layer stack")
         sizes.setdefault((prefix, side), set()).add(n)
-        out[f"{prefix}{side}/layers/{rest}"] = _stack([by_index[i] for i in range(n)])
+        out[_path(prefix, side, f"layers/{rest}")] = _stack([by_index[i] for i in range(n)])
     for (prefix, side), ns in sizes.items():
         if len(ns) > 1:
             raise ValueError(
-                f"{prefix}{side}: layers hold different parameter sets (counts {sorted(ns)})")
+                f"{_path(prefix, side, '') or 'the root'}: layers hold different parameter "
+                f"sets (counts {sorted(ns)})")
     return out
 
 
@@ -118,9 +131,9 @@ def _to_unrolled(flat: Mapping[str, Any]) -> dict[str, Any]:
         if not m:
             out[path] = value
             continue
-        prefix, side, rest = m.group(1), m.group(2), m.group(3)
+        (prefix, side), rest = _where(m), m.group(3)
         for i in range(np.shape(value)[0]):
-            out[f"{prefix}{side}/layers_{i}/{rest}"] = value[i]
+            out[_path(prefix, side, f"layers_{i}/{rest}")] = value[i]
     return out
 
 
@@ -150,9 +163,11 @@ def layout_mismatch(saved: Any, expected: Any, where: str) -> str | None:
     have, want = is_scanned(dict.fromkeys(saved, 0)), is_scanned(dict.fromkeys(expected, 0))
     if have is None or want is None or have == want:
         return None
-    names = {True: "scanned (encoder/layers/..., stacked)", False: "unrolled (encoder/layers_<i>/...)"}
+    names = {True: "scanned ([encoder/]layers/..., stacked)",
+             False: "unrolled ([encoder/]layers_<i>/...)"}
     return (
         f"checkpoint {where} holds the {names[have]} layer layout but the model is "
-        f"{names[want]}: set T5Config.scan_layers={have} (gin macro SCAN_LAYERS) to match it, "
-        "or convert the checkpoint with ktx.models.scan_layout.convert_layout"
+        f"{names[want]}: set T5Config.scan_layers / BertConfig.scan_layers={have} (gin macro "
+        "SCAN_LAYERS) to match it, or convert the checkpoint with "
+        "ktx.models.scan_layout.convert_layout"
     )
