@@ -131,8 +131,8 @@ class BertConfig:
     `attention_probs_dropout_prob` (0.1 in every BERT checkpoint). `dtype` is the
     activation dtype ("float32" or "bfloat16"); parameters stay float32. `remat_policy`
     rematerialises each layer of `BertEncoder` and `SharedTopLayers` as T5's does
-    (`ktx.models.t5_stack`: "none" | "minimal" | "full", same numbers); the encoder
-    methods' own layers (CA-MTL, PALs) do not rematerialise yet. `scan_layers` runs the
+    (`ktx.models.t5_stack`: "none" | "minimal" | "full", same numbers), and the encoder
+    methods' own layers (CA-MTL, PALs, TEA) alike. `scan_layers` runs the
     `num_layers` layers of `BertEncoder` as one `nn.scan` (parameters stacked on a leading
     `layers` axis under the root scope `layers`; `ktx.models.scan_layout` converts trees
     between the layouts), as `T5Config.scan_layers`; the methods with their own layers

@@ -80,6 +80,7 @@ from ktx.analysis.params import CONDITIONING_SCOPE
 from ktx.models import bert, encoder
 from ktx.models.encoder import normalised_entropy, row_normalised_entropy
 from ktx.models.base import Batch
+from ktx.models.t5_stack import layer_class
 from ktx.models.camtl_layers import (
     Array,
     BlockDiagonalBias,
@@ -150,10 +151,12 @@ class CaMtlEncoder(nn.Module):
         self.conditioning = CaMtlConditioning(
             self.num_tasks, c.hidden_size, c.num_layers, self.camtl, c.layer_norm_eps, dtype,
             name=CONDITIONING_SCOPE)
+        # CaMtlLayer.__call__'s `deterministic` is argument 6 (self = 0), static under remat.
+        layer_cls = layer_class(CaMtlLayer, c.remat_policy, (6,), scanned=False)
         self.layers = [
-            CaMtlLayer(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
-                       c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
-                       name=f"layers_{i}")
+            layer_cls(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+                      c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
+                      name=f"layers_{i}")
             for i in range(c.num_layers)
         ]
         self.pooler = _dense(c.hidden_size, (EMBED, MLP), (MLP,), dtype, None)

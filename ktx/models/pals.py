@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from ktx.conditioning.task_embedding import gather_by_task
 from ktx.models import bert, encoder
 from ktx.models.base import Batch
+from ktx.models.t5_stack import layer_class
 from ktx.partitioning import (
     BATCH,
     EMBED,
@@ -247,10 +248,12 @@ class ConditionedBertClassifier(nn.Module):
         self.embeddings = TaskBertEmbeddings(
             c.vocab_size, c.hidden_size, c.max_position, c.type_vocab_size, c.layer_norm_eps,
             c.dropout_rate, dtype)
+        # ConditionedBertLayer.__call__'s `deterministic` is argument 3 (self = 0).
+        layer_cls = layer_class(ConditionedBertLayer, c.remat_policy, (3,), scanned=False)
         self.layers = [
-            ConditionedBertLayer(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
-                                 c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
-                                 name=f"layers_{i}")
+            layer_cls(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+                      c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
+                      name=f"layers_{i}")
             for i in range(c.num_layers)
         ]
         self.pooler = bert.DenseGeneral((c.hidden_size,), (EMBED, MLP), (MLP,), dtype=dtype)

@@ -228,3 +228,30 @@ def test_a_bert_checkpoint_leaves_the_shared_layer_at_init():
     _, report = checkpoints.load_initial_params(f"hf:{folder}", abstract, init)
     assert {p.split("/")[0] for p in report.initialized} >= {"shared_layers", "task_heads"}
     assert not any(p.startswith("shared_layers/") for p in report.restored)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("policy", ["minimal", "full"])
+def test_remat_gives_the_same_gradients(kind, policy):
+    """Every encoder method's layers rematerialise under `remat_policy` (the policy is in
+    the compiled step) with the loss and gradients of 'none', dropout on."""
+    import dataclasses
+
+    batch = _batch()
+    plain = _model(kind)
+    remat = _model(kind, dataclasses.replace(CONFIG, remat_policy=policy))
+    params = _params(plain)
+
+    def grads(model):
+        def loss(p):
+            sums, _ = model.loss_sums(p, batch, jax.random.key(1), True)
+            return sums.sum()
+        return jax.value_and_grad(loss)(params)
+
+    (l0, g0), (l1, g1) = grads(plain), grads(remat)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    text = str(jax.make_jaxpr(jax.grad(
+        lambda p: remat.loss_sums(p, batch, jax.random.key(1), True)[0].sum()))(params))
+    assert text.count("checkpoint[") + text.count("remat2[") + text.count("remat[") >= 2
