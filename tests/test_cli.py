@@ -80,6 +80,23 @@ def test_missing_gin_file_suggests(tmp_path):
         cli.parse_gin(["runs/trian.gin"])
 
 
+@pytest.mark.parametrize("files, model, other", [
+    (["models/bert_tiny.gin", "conditioning/hyperprompt_global.gin"], "a T5", "BertConfig"),
+    (["models/t5_1_1_tiny.gin", "conditioning/pals.gin"], "a BERT-family", "T5Config"),
+    (["models/t5_1_1_tiny.gin", "conditioning/ca_mtl.gin"], "a BERT-family", "T5Config"),
+    (["models/t5_1_1_tiny.gin", "conditioning/mean_pooling.gin"], "a T5", "EncoderClassifierModel"),
+])
+def test_conditioning_of_the_other_model_family_is_refused(files, model, other, capsys):
+    """Before: bert_tiny + HyperPrompt built a T5-Base silently, t5 + CA-MTL a BERT-Base."""
+    assert cli.main(["params", *(f"--gin_file={f}" for f in files)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ktx: gin files") and f"MODEL is {model}" in err and other in err
+    assert "Accepted: gin/models/" in err
+    for ok in (["models/bert_tiny.gin", "conditioning/pals.gin", "conditioning/mean_pooling.gin"],
+               ["models/t5_1_1_tiny.gin", "conditioning/hyperformer.gin"]):
+        cli.parse_gin(ok)
+
+
 def test_main_reports_missing_required_macro(tmp_path, capsys):
     model = _write(tmp_path, "model.gin", TINY_MODEL_GIN)
     code = cli.main(["train", "--gin_file=runs/train.gin", f"--gin_file={model}",

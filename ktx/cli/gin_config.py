@@ -343,7 +343,75 @@ def parse_gin(
         except errors as e:
             raise _gin_error(e, files, [(name, value)]) from e
     _absolutize_path_macros()
+    _check_model_family(files)
     return files
+
+
+# Which family each model-building module belongs to, and the configurables whose
+# bindings say a gin file configured that family.
+_T5_MODULES = ("ktx.models.seq2seq", "ktx.conditioning.model")
+_ENCODER_MODULES = ("ktx.models.encoder", "ktx.models.camtl", "ktx.models.pals", "ktx.models.tea")
+_FAMILY_CONFIGURABLES = {
+    "t5": ("ktx.models.t5.T5Config", "ktx.conditioning.model.ConditioningConfig",
+           "ktx.conditioning.model.conditioned_model"),
+    "encoder": ("ktx.models.bert.BertConfig", "ktx.models.encoder.EncoderClassifierModel",
+                "ktx.models.pals.PalsClassifierModel", "ktx.models.tea.TeaClassifierModel",
+                "ktx.models.camtl.CaMtlConfig"),
+}
+_FAMILY_FILES = {
+    "t5": "gin/models/t5_1_1_*.gin with conditioning/{hyperprompt_*,prompt_tuning,adapters,"
+          "hyperformer*}.gin",
+    "encoder": "gin/models/bert_*.gin with conditioning/{ca_mtl,pals,tea_*,shared_layer,"
+               "frozen_layers,mean_pooling,smart,task_warmup}.gin",
+}
+
+
+def _bound(selector: str) -> bool:
+    """Whether any parameter of the configurable `selector` (a module path) is bound."""
+    import importlib
+    import inspect
+
+    import gin
+
+    module, _, name = selector.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module), name)
+        params = inspect.signature(target).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+    for param in params:
+        try:
+            gin.query_parameter(f"{selector}.{param}")
+            return True
+        except ValueError:
+            continue
+    return False
+
+
+def _check_model_family(files: Sequence[pathlib.Path]) -> None:
+    """A T5 conditioning file over a BERT model file (or the other way round) would build
+    the wrong model silently (the conditioning file's own default backbone) or fail deep
+    in gin: one clear error instead, naming the families and the files that go together."""
+    import gin
+
+    try:
+        model = gin.query_parameter("%MODEL")
+    except ValueError:
+        return
+    wrapped = getattr(getattr(model, "configurable", None), "wrapped", None)
+    module = getattr(wrapped, "__module__", "")
+    family = "t5" if module in _T5_MODULES else "encoder" if module in _ENCODER_MODULES else None
+    if family is None:
+        return
+    other = "encoder" if family == "t5" else "t5"
+    stray = [s for s in _FAMILY_CONFIGURABLES[other] if _bound(s)]
+    if stray:
+        names = {"t5": "a T5 (encoder-decoder) model", "encoder": "a BERT-family encoder model"}
+        raise GinConfigError(
+            f"gin files {[str(f) for f in files]}: MODEL is {names[family]} "
+            f"({module}.{getattr(wrapped, '__name__', wrapped)}) but the files also configure "
+            f"{names[other]} ({', '.join(stray)}): a conditioning method exists for one family "
+            f"only. Accepted: {_FAMILY_FILES[family]}; or {_FAMILY_FILES[other]}")
 
 
 def _declarations(files: Sequence[pathlib.Path], search: Sequence[str]) -> dict[str, str]:
