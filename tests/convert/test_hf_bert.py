@@ -137,3 +137,23 @@ def test_import_and_initial_params_into_classifier(tmp_path):
                                        "task_heads/task_1/bias"}
     word = convert.read_hf_bert(folder).params["embeddings"]["word_embeddings"]["embedding"]
     np.testing.assert_array_equal(params["embeddings"]["word_embeddings"]["embedding"], word)
+
+
+def test_checkpoint_config_that_disagrees_with_the_gin_model_is_named():
+    """INITIAL_CHECKPOINT_PATH='hf:DIR' of a BERT whose config differs from the gin model
+    (here: the gin model is 2 x 32 wide, the checkpoint 2 x 64): CheckpointShapeError
+    naming each parameter with both shapes, before anything is placed."""
+    folder = checkpoint_fixture("hf_bert_tiny")
+    cfg = json.loads((folder / "config.json").read_text())
+    model = encoder.EncoderClassifierModel(
+        bert.BertConfig(vocab_size=cfg["vocab_size"], hidden_size=32, num_layers=2, num_heads=4,
+                        intermediate_size=cfg["intermediate_size"],
+                        max_position=cfg["max_position_embeddings"]), num_labels=(2,))
+    batch = {"input_ids": jnp.ones((2, 8), jnp.int32)}
+    abstract = jax.eval_shape(lambda: nn.unbox(model.init_variables(jax.random.key(0), batch)["params"]))
+    with pytest.raises(checkpoints.CheckpointShapeError) as e:
+        checkpoints.load_initial_params(f"hf:{folder}", abstract,
+                                        lambda names: jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+                                                                   abstract))
+    assert "embeddings/word_embeddings/embedding: checkpoint (" in str(e.value)
+    assert f", {cfg['hidden_size']}), model (" in str(e.value)
