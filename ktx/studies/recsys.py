@@ -193,7 +193,7 @@ def run_config(
         if (epoch + 1) % eval_every and epoch + 1 < max_epochs:
             continue
         t1 = time.perf_counter()
-        val = validation.rank(model, state.params)
+        val = validation.rank(model, state.params, trainer.mesh)
         eval_seconds += time.perf_counter() - t1
         history.append(val["ndcg@10"])
         if log:
@@ -205,7 +205,7 @@ def run_config(
         if stop:
             break
     t1 = time.perf_counter()
-    test = test_ranking.rank(model, best_params)
+    test = test_ranking.rank(model, best_params, trainer.mesh)
     eval_seconds += time.perf_counter() - t1
     return {
         "best_epoch": stopper.best_step,
