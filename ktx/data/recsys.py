@@ -36,6 +36,7 @@ a pure function of `(seed, step)`.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import logging
@@ -87,6 +88,9 @@ def _parse_id(text: str, what: str, counter: files.BadRowCounter, line: int) -> 
     if value < 0:
         counter.bad(line, f"{what} {value} is negative")
         return None
+    if value >= 1 << 62:
+        counter.bad(line, f"{what} {value} is too large (ids must be below 2**62)")
+        return None
     return value
 
 
@@ -115,11 +119,20 @@ def _count_duplicates(pairs: np.ndarray, source: str, what: str) -> int:
     return int(n)
 
 
+def _pair_array(flat: array.array) -> np.ndarray:
+    """`[user, item, user, item, ...]` (int64, 16 bytes a pair while reading) -> `[n, 2]`."""
+    return np.frombuffer(flat, np.int64).reshape(-1, 2).copy() if len(flat) else np.zeros((0, 2), np.int64)
+
+
 def _collect(rows: Iterable[tuple[str, int, int]], source: str) -> Interactions:
-    acc: dict[str, list[tuple[int, int]]] = {}
+    acc: dict[str, array.array] = {}
     for behaviour, user, item in rows:
-        acc.setdefault(behaviour, []).append((user, item))
-    pairs = {b: np.asarray(v, np.int64).reshape(-1, 2) for b, v in acc.items()}
+        flat = acc.get(behaviour)
+        if flat is None:
+            flat = acc[behaviour] = array.array("q")
+        flat.append(user)
+        flat.append(item)
+    pairs = {b: _pair_array(v) for b, v in acc.items()}
     return Interactions(
         pairs, sources={b: source for b in pairs},
         duplicates={b: _count_duplicates(p, source, repr(b)) for b, p in pairs.items()},
@@ -182,7 +195,7 @@ def read_pair_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.
     """Reads `user item` lines (whitespace-separated) -> int64 `[n, 2]`."""
     path = files.require_file(path, _HOW)
     counter = files.BadRowCounter(path, on_bad_row)
-    out: list[tuple[int, int]] = []
+    out = array.array("q")
     for line, text in files.read_lines(path):
         fields = text.split()
         if not fields:
@@ -193,9 +206,10 @@ def read_pair_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.
         user = _parse_id(fields[0], "user", counter, line)
         item = _parse_id(fields[1], "item", counter, line) if user is not None else None
         if user is not None and item is not None:
-            out.append((user, item))
+            out.append(user)
+            out.append(item)
     counter.report()
-    return np.asarray(out, np.int64).reshape(-1, 2)
+    return _pair_array(out)
 
 
 def _files_of(files: Mapping[str, str | os.PathLike], what: str) -> dict[str, pathlib.Path]:
@@ -223,7 +237,7 @@ def read_list_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.
     after its id, a line with the user alone has none) -> int64 `[n, 2]` pairs."""
     path = files.require_file(path, _HOW)
     counter = files.BadRowCounter(path, on_bad_row)
-    out: list[tuple[int, int]] = []
+    out = array.array("q")
     for line, text in files.read_lines(path):
         fields = text.split()
         if not fields:
@@ -232,9 +246,12 @@ def read_list_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.
         if user is None:
             continue
         items = [_parse_id(f, f"item {k}", counter, line) for k, f in enumerate(fields[1:], start=1)]
-        out.extend((user, i) for i in items if i is not None)
+        for i in items:
+            if i is not None:
+                out.append(user)
+                out.append(i)
     counter.report()
-    return np.asarray(out, np.int64).reshape(-1, 2)
+    return _pair_array(out)
 
 
 def read_behaviour_lists(
@@ -496,7 +513,9 @@ def prepare_multibehavior(
         test = _unique_pairs(np.asarray(test, np.int64).reshape(-1, 2))
         if not len(test):
             raise ValueError("test: the given held-out test pairs are empty")
-        kept = ~np.isin(_keys(buys, 1 << 31), _keys(test, 1 << 31))
+        _, pair_id = np.unique(np.concatenate([buys, test]), axis=0, return_inverse=True)
+        pair_id = pair_id.reshape(-1)  # one id per distinct raw (user, item) pair
+        kept = ~np.isin(pair_id[:len(buys)], pair_id[len(buys):])
         report["test_pairs_in_train"] = int((~kept).sum())
         if report["test_pairs_in_train"]:
             logging.warning("%d held-out test pairs are also %r interactions: removed from "

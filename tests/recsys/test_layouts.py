@@ -127,6 +127,7 @@ def test_movielens_reader_thresholds_and_separators(tmp_path):
     (R.read_list_file, "1 2 3\n4 x5 6\n", r"bad.txt:2: item 1 'x5' is not an integer id"),
     (R.read_list_file, "1 2\n-3 4\n", r"bad.txt:2: user -3 is negative"),
     (R.read_pair_file, "1 2\n3 4.0\n", r"bad.txt:2: item '4.0' is not an integer id"),
+    (R.read_pair_file, "1 2\n3 99999999999999999999\n", r"bad.txt:2: item 99999999999999999999 is too large"),
     (R.read_movielens, "1::2::5::0\n1::u2::5::0\n", r"bad.txt:2: item 'u2' is not an integer id"),
     (R.read_movielens, "1::2::five::0\n", r"bad.txt:1: rating 'five' is not a number"),
     (R.read_movielens, "1 2 5 0\n", r"bad.txt:1: expected 'user item rating timestamp'"),
