@@ -310,7 +310,13 @@ class BertEmbeddings(nn.Module):
 class BertAttention(nn.Module):
     """Bidirectional multi-head self-attention with biases: `[B, L, E]` and a boolean key
     mask `[B, L]` -> `[B, L, E]` (before the residual and layer norm). Scores and softmax
-    in float32; `dropout_rate` applies to the attention probabilities."""
+    in float32; `dropout_rate` applies to the attention probabilities.
+
+    The encoder methods' hooks (same parameters, same computation when absent):
+    `qkv [B, 3, H, D]` is added to each row's query, key and value projections (TEA-BERT);
+    `bias` (broadcast to `[B, H, L, L]`) is added to the scaled scores before the key mask
+    (CA-MTL's conditional bias, with its additive padding mask; `mask=None` then).
+    """
 
     num_heads: int
     head_dim: int
@@ -318,17 +324,22 @@ class BertAttention(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, deterministic: bool) -> Array:
-        proj = {
-            name: _dense((self.num_heads, self.head_dim), (EMBED, HEADS, KV), (HEADS, KV),
-                         dtype=self.dtype, name=name)(x)
-            for name in ("query", "key", "value")
-        }
-        q, k, v = (nn.with_logical_constraint(proj[n], (BATCH, LENGTH, HEADS, KV))
-                   for n in ("query", "key", "value"))
+    def __call__(self, x: Array, mask: Array | None, deterministic: bool, *,
+                 qkv: Array | None = None, bias: Array | None = None) -> Array:
+        proj = []
+        for i, name in enumerate(("query", "key", "value")):
+            y = _dense((self.num_heads, self.head_dim), (EMBED, HEADS, KV), (HEADS, KV),
+                       dtype=self.dtype, name=name)(x)
+            if qkv is not None:
+                y = y + jnp.asarray(qkv[:, i], self.dtype)[:, None]
+            proj.append(nn.with_logical_constraint(y, (BATCH, LENGTH, HEADS, KV)))
+        q, k, v = proj
         scores = jnp.einsum("bqhd,bkhd->bhqk", jnp.asarray(q, jnp.float32),
                             jnp.asarray(k, jnp.float32)) / math.sqrt(self.head_dim)
-        scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
+        if bias is not None:
+            scores = scores + bias
+        if mask is not None:
+            scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1)
         probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
         out = jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, self.dtype), v)

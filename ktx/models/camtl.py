@@ -6,7 +6,7 @@ A BERT whose every layer is conditioned on the row's task. Equations (docs/encod
 
     conditional alignment   h_emb = (1 + γ(z0)) ⊙ BertEmbeddings(x) + β(z0)      `CaMtlConditioning`
     layer conditioning      z = W_t z0 + b_t   (every layer uses z)               `CaMtlConditioning`
-    conditional attention   softmax(Q Kᵀ / √d + M(z) + (1 − mask) · −10000) V      `CaMtlAttention`
+    conditional attention   softmax(Q Kᵀ / √d + M(z) + (1 − mask) · −10000) V      `bert.BertAttention(bias=)`
                             M(z) [L, L] block-diagonal: N = E / L blocks cut from
                             (1 + γ(z)) ⊙ A + β(z), A [L, c] learned, c = ⌈L / N⌉   `BlockDiagonalBias`
     conditional layer norm  code: LN with scale (1 + γ(z)) ⊙ w + β(z), bias b       `CaMtlLayerNorm`
@@ -84,7 +84,6 @@ from ktx.models.t5_stack import layer_class
 from ktx.models.camtl_layers import (
     Array,
     BlockDiagonalBias,
-    CaMtlAttention,
     CaMtlConditioning,
     CaMtlConfig,
     CaMtlLayer,
@@ -111,7 +110,6 @@ __all__ = [
     "LayerNormFiLM",
     "BlockDiagonalBias",
     "CaMtlLayerNorm",
-    "CaMtlAttention",
     "CaMtlLayer",
     "ConditionalBottleneck",
     "ConditionalAdapter",

@@ -18,9 +18,7 @@ from ktx.models import bert
 from ktx.partitioning import (
     BATCH,
     EMBED,
-    HEADS,
     HYPER_BOTTLENECK,
-    KV,
     LENGTH,
     MLP,
     TASK_EMBED,
@@ -205,36 +203,6 @@ class CaMtlLayerNorm(nn.Module):
         return jnp.asarray(y, self.dtype)
 
 
-class CaMtlAttention(nn.Module):
-    """BERT self-attention (`bert.BertAttention`'s parameters) whose scaled scores get
-    the conditional bias `M(z) [B, L, L]` (every head) before the additive padding mask
-    `(1 - mask) · -10000` (`mask_bias [B, 1, 1, L]`). `[B, L, E] -> [B, L, E]`."""
-
-    num_heads: int
-    head_dim: int
-    dropout_rate: float = 0.0
-    dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: Array, mask_bias: Array, task_bias: Array, deterministic: bool) -> Array:
-        proj = {
-            name: bert.DenseGeneral((self.num_heads, self.head_dim), (EMBED, HEADS, KV),
-                                    (HEADS, KV), (-1,), self.dtype, name=name)(x)
-            for name in ("query", "key", "value")
-        }
-        q, k, v = (nn.with_logical_constraint(proj[n], (BATCH, LENGTH, HEADS, KV))
-                   for n in ("query", "key", "value"))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", jnp.asarray(q, jnp.float32),
-                            jnp.asarray(k, jnp.float32)) / math.sqrt(self.head_dim)
-        scores = scores + task_bias[:, None] + mask_bias
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, self.dtype), v)
-        out = bert.DenseGeneral((x.shape[-1],), (HEADS, KV, EMBED), (EMBED,), (-2, -1),
-                                self.dtype, name="out")(out)
-        return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
-
-
 class CaMtlLayer(nn.Module):
     """A post-LayerNorm BERT layer (`bert.BertLayer`'s parameters) with conditional
     attention and, when given `LayerNormFiLM`s, conditional layer norms.
@@ -256,8 +224,11 @@ class CaMtlLayer(nn.Module):
     def __call__(self, x, mask_bias, task_bias, attention_ln: LayerNormFiLM | None,
                  output_ln: LayerNormFiLM | None, deterministic: bool) -> tuple[Array, Array]:
         hidden = x.shape[-1]
-        a = CaMtlAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
-                           self.dtype, name="attention")(x, mask_bias, task_bias, deterministic)
+        # BERT's attention with the conditional bias M(z) (every head) and the authors'
+        # additive padding mask `(1 - mask) · -10000` (`mask_bias [B, 1, 1, L]`).
+        a = bert.BertAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
+                               self.dtype, name="attention")(
+            x, None, deterministic, bias=task_bias[:, None] + mask_bias)
         a = nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
         a = CaMtlLayerNorm(self.layer_norm_eps, self.dtype, name="attention_layer_norm")(
             x + a, attention_ln)

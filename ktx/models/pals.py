@@ -63,9 +63,7 @@ from ktx.models.t5_stack import layer_class
 from ktx.partitioning import (
     BATCH,
     EMBED,
-    HEADS,
     HYPER_BOTTLENECK,
-    KV,
     LENGTH,
     MLP,
     TASKS,
@@ -75,7 +73,6 @@ __all__ = [
     "LayerHooks",
     "TaskDense",
     "TaskBertEmbeddings",
-    "ConditionedBertAttention",
     "ConditionedBertLayer",
     "ConditionedBertClassifier",
     "TaskConditionedClassifierModel",
@@ -158,37 +155,6 @@ class TaskBertEmbeddings(bert.BertEmbeddings):
         return self.dropout(self.layer_norm(x), deterministic=deterministic)
 
 
-class ConditionedBertAttention(nn.Module):
-    """`bert.BertAttention` (same parameters, same computation) with an optional per-row
-    `qkv [B, 3, H, D]` added to the query, key and value projections."""
-
-    num_heads: int
-    head_dim: int
-    dropout_rate: float = 0.0
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: Array, mask: Array, deterministic: bool,
-                 qkv: Array | None = None) -> Array:
-        proj = []
-        for i, name in enumerate(("query", "key", "value")):
-            y = bert.DenseGeneral((self.num_heads, self.head_dim), (EMBED, HEADS, KV), (HEADS, KV),
-                                  dtype=self.dtype, name=name)(x)
-            if qkv is not None:
-                y = y + jnp.asarray(qkv[:, i], self.dtype)[:, None]
-            proj.append(nn.with_logical_constraint(y, (BATCH, LENGTH, HEADS, KV)))
-        q, k, v = proj
-        scores = jnp.einsum("bqhd,bkhd->bhqk", jnp.asarray(q, jnp.float32),
-                            jnp.asarray(k, jnp.float32)) / math.sqrt(self.head_dim)
-        scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, self.dtype), v)
-        out = bert.DenseGeneral((x.shape[-1],), (HEADS, KV, EMBED), (EMBED,), axis=(-2, -1),
-                                dtype=self.dtype, name="out")(out)
-        return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
-
-
 class ConditionedBertLayer(nn.Module):
     """`bert.BertLayer` (same parameters) taking `LayerHooks`: `[B, L, E]`, key mask
     `[B, L]` -> `[B, L, E]`; `hooks.residual` joins the feed-forward residual,
@@ -207,8 +173,8 @@ class ConditionedBertLayer(nn.Module):
     def __call__(self, x: Array, mask: Array, deterministic: bool,
                  hooks: LayerHooks = LayerHooks()) -> Array:
         hidden = x.shape[-1]
-        a = ConditionedBertAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
-                                     self.dtype, name="attention")(x, mask, deterministic, hooks.qkv)
+        a = bert.BertAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
+                               self.dtype, name="attention")(x, mask, deterministic, qkv=hooks.qkv)
         a = nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
         x = _layer_norm(self.layer_norm_eps, self.dtype, "attention_layer_norm")(x + a)
         h = bert.DenseGeneral((self.intermediate_size,), (EMBED, MLP), (MLP,), dtype=self.dtype,
