@@ -172,7 +172,7 @@ def ranking_speed(data, eval_users: int = 0, repeats: int = 3, segment_users: in
         "full_ranking_gflops": stat(full, "gflops"),
         "segment_users": stats["users"],
         "segment_gflops": stat(runs, "gflops"),
-        "matmul_peak_gflops": stat(runs, "peak"),
+        "segment_matmul_peak_gflops": stat(runs, "peak"),
         "ranking_share_of_matmul_peak": stat(runs, "share", 3),
         "best_segment_over_best_peak": round(max(x["gflops"] for x in runs) / max(x["peak"] for x in runs), 3),
         "flops_per_pair": flops,
