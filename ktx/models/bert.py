@@ -362,11 +362,17 @@ class BertLayer(nn.Module):
     scanned: bool = False  # the body of a scanned stack: returns `(x, None)`
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array, deterministic: bool, layer_inputs: Any = None):
-        del layer_inputs  # a scanned stack's per-layer slice (BERT layers take none)
+    def __call__(self, x: Array, mask: Array, deterministic: bool, layer_inputs: Any = None, *,
+                 qkv: Array | None = None, residual: Array | None = None):
+        """`layer_inputs`: a scanned stack's per-layer slice (BERT layers take none). The
+        encoder methods' hooks (None: plain BERT, bit for bit): `qkv [B, 3, H, D]` joins
+        the attention's projections (TEA-BERT); `residual [B, L, E]` joins the
+        feed-forward residual before its LayerNorm, `LN(FFN(a) + (a + residual))` (the
+        PALs authors' summation order)."""
+        del layer_inputs
         hidden = x.shape[-1]
         a = BertAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
-                          self.dtype, name="attention")(x, mask, deterministic)
+                          self.dtype, name="attention")(x, mask, deterministic, qkv=qkv)
         a = nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
         x = _layer_norm(self.layer_norm_eps, self.dtype, "attention_layer_norm")(x + a)
         h = _dense(self.intermediate_size, (EMBED, MLP), (MLP,), dtype=self.dtype,
@@ -375,7 +381,9 @@ class BertLayer(nn.Module):
         h = nn.with_logical_constraint(h, (BATCH, LENGTH, MLP))
         h = _dense(hidden, (MLP, EMBED), (EMBED,), dtype=self.dtype, name="output")(h)
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        x = _layer_norm(self.layer_norm_eps, self.dtype, "output_layer_norm")(x + h)
+        if residual is not None:
+            x = x + jnp.asarray(residual, x.dtype)
+        x = _layer_norm(self.layer_norm_eps, self.dtype, "output_layer_norm")(h + x)
         x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
         return (x, None) if self.scanned else x
 

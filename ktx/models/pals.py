@@ -73,7 +73,6 @@ __all__ = [
     "LayerHooks",
     "TaskDense",
     "TaskBertEmbeddings",
-    "ConditionedBertLayer",
     "ConditionedBertClassifier",
     "TaskConditionedClassifierModel",
     "ProjectedSelfAttention",
@@ -97,15 +96,6 @@ class LayerHooks(NamedTuple):
 
     qkv: Array | None = None
     residual: Array | None = None
-
-
-def _layer_norm(eps: float, dtype: Any, name: str) -> nn.LayerNorm:
-    # bert.BertLayer's layer norm: two-pass variance in float32, axes (embed,).
-    return nn.LayerNorm(
-        epsilon=eps, dtype=dtype, param_dtype=jnp.float32, use_fast_variance=False, name=name,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, (EMBED,)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED,)),
-    )
 
 
 class TaskDense(nn.Module):
@@ -155,40 +145,6 @@ class TaskBertEmbeddings(bert.BertEmbeddings):
         return self.dropout(self.layer_norm(x), deterministic=deterministic)
 
 
-class ConditionedBertLayer(nn.Module):
-    """`bert.BertLayer` (same parameters) taking `LayerHooks`: `[B, L, E]`, key mask
-    `[B, L]` -> `[B, L, E]`; `hooks.residual` joins the feed-forward residual,
-    `LN(dropout(FFN(a)) + (a + residual))` (the authors' PALs summation order)."""
-
-    num_heads: int
-    head_dim: int
-    intermediate_size: int
-    hidden_act: str = "gelu"
-    layer_norm_eps: float = 1e-12
-    dropout_rate: float = 0.0
-    attention_dropout_rate: float = 0.0
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: Array, mask: Array, deterministic: bool,
-                 hooks: LayerHooks = LayerHooks()) -> Array:
-        hidden = x.shape[-1]
-        a = bert.BertAttention(self.num_heads, self.head_dim, self.attention_dropout_rate,
-                               self.dtype, name="attention")(x, mask, deterministic, qkv=hooks.qkv)
-        a = nn.Dropout(self.dropout_rate)(a, deterministic=deterministic)
-        x = _layer_norm(self.layer_norm_eps, self.dtype, "attention_layer_norm")(x + a)
-        h = bert.DenseGeneral((self.intermediate_size,), (EMBED, MLP), (MLP,), dtype=self.dtype,
-                              name="intermediate")(x)
-        h = bert.HIDDEN_ACTS[self.hidden_act](h)
-        h = nn.with_logical_constraint(h, (BATCH, LENGTH, MLP))
-        h = bert.DenseGeneral((hidden,), (MLP, EMBED), (EMBED,), dtype=self.dtype, name="output")(h)
-        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        if hooks.residual is not None:
-            x = x + jnp.asarray(hooks.residual, x.dtype)
-        x = _layer_norm(self.layer_norm_eps, self.dtype, "output_layer_norm")(h + x)
-        return nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
-
-
 class ConditionedBertClassifier(nn.Module):
     """`encoder.BertClassifier` whose rows are conditioned by their `task_id`.
 
@@ -214,8 +170,8 @@ class ConditionedBertClassifier(nn.Module):
         self.embeddings = TaskBertEmbeddings(
             c.vocab_size, c.hidden_size, c.max_position, c.type_vocab_size, c.layer_norm_eps,
             c.dropout_rate, dtype)
-        # ConditionedBertLayer.__call__'s `deterministic` is argument 3 (self = 0).
-        layer_cls = layer_class(ConditionedBertLayer, c.remat_policy, (3,), scanned=False)
+        # BertLayer.__call__'s `deterministic` is argument 3 (self = 0); hooks as keywords.
+        layer_cls = layer_class(bert.BertLayer, c.remat_policy, (3,), scanned=False)
         self.layers = [
             layer_cls(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
                       c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
@@ -255,7 +211,7 @@ class ConditionedBertClassifier(nn.Module):
         for i, layer in enumerate(self.layers):
             hooks = LayerHooks() if cond is None else cond.layer_hooks(i, x, mask, task_id,
                                                                        deterministic)
-            x = layer(x, mask, deterministic, hooks)
+            x = layer(x, mask, deterministic, qkv=hooks.qkv, residual=hooks.residual)
             outputs.append(x)
         if self.shared_layers is not None:
             x = self.shared_layers(x, mask, deterministic)
