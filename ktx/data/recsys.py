@@ -219,17 +219,23 @@ def _files_of(files: Mapping[str, str | os.PathLike], what: str) -> dict[str, pa
     return {str(b): pathlib.Path(path) for b, path in files.items()}
 
 
-def read_behaviour_pairs(
-    files: Mapping[str, str | os.PathLike], *, on_bad_row: str = "raise"
-) -> Interactions:
-    """One `user item` pair file per behaviour (`{"buy": "buy.txt", "cart": ...}`)."""
+def _read_per_behaviour(files: Mapping[str, str | os.PathLike], reader, what: str,
+                        on_bad_row: str) -> Interactions:
+    """`reader(path)` of each behaviour's file, with its source and duplicate count."""
     out = Interactions({})
-    for behaviour, path in _files_of(files, "read_behaviour_pairs").items():
-        pairs = read_pair_file(path, on_bad_row=on_bad_row)
+    for behaviour, path in _files_of(files, what).items():
+        pairs = reader(path, on_bad_row=on_bad_row)
         out.pairs[behaviour] = pairs
         out.sources[behaviour] = str(path)
         out.duplicates[behaviour] = _count_duplicates(pairs, str(path), repr(behaviour))
     return out
+
+
+def read_behaviour_pairs(
+    files: Mapping[str, str | os.PathLike], *, on_bad_row: str = "raise"
+) -> Interactions:
+    """One `user item` pair file per behaviour (`{"buy": "buy.txt", "cart": ...}`)."""
+    return _read_per_behaviour(files, read_pair_file, "read_behaviour_pairs", on_bad_row)
 
 
 def read_list_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.ndarray:
@@ -259,13 +265,7 @@ def read_behaviour_lists(
 ) -> Interactions:
     """One `user item item ...` list file per behaviour, as several public multi-behaviour
     benchmarks ship them (`{"buy": "buy.txt", "click": "pv.txt"}`)."""
-    out = Interactions({})
-    for behaviour, path in _files_of(files, "read_behaviour_lists").items():
-        pairs = read_list_file(path, on_bad_row=on_bad_row)
-        out.pairs[behaviour] = pairs
-        out.sources[behaviour] = str(path)
-        out.duplicates[behaviour] = _count_duplicates(pairs, str(path), repr(behaviour))
-    return out
+    return _read_per_behaviour(files, read_list_file, "read_behaviour_lists", on_bad_row)
 
 
 MOVIELENS_RATING_THRESHOLDS = {"dislike": 0.0, "neutral": 3.0, "like": 4.0}
