@@ -70,7 +70,7 @@ _HELP = {
     "infer": "decode a split with a checkpoint and write the predictions",
     "params": "count a gin-configured model's parameters from shapes",
     "analyze": "`gradients RUN_DIR` (per-task gradient magnitudes) or `attention`",
-    "import": "SRC OUT: a ktx checkpoint directory from hf:DIR, t5x:DIR or camtl:DIR",
+    "import": "SRC OUT: a ktx checkpoint directory from hf:DIR, t5x:DIR, camtl:DIR or pals:DIR",
     "export": "SRC OUT: a run's checkpoint as hf:DIR, t5x:DIR or conditioning:FILE",
     "precompile": "compile the train step for a TPU topology; per-chip memory and FLOPs",
     "cache": "SeqIO's offline cache of tasks (Apache Beam): training reads it with use_cached",
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max_examples", type=int, default=100,
                    help="attention: examples averaged (He et al., 2022: 100)")
     commands["import"].add_argument("args", nargs="*", metavar="SRC OUT",
-                                    help="hf:DIR|t5x:DIR|camtl:DIR, then the output folder")
+                                    help="hf:DIR|t5x:DIR|camtl:DIR|pals:DIR, then the output folder")
     e = commands["export"]
     e.add_argument("args", nargs="*", metavar="SRC OUT",
                    help="a run or checkpoint directory, then hf:DIR, t5x:DIR or conditioning:FILE")

@@ -242,7 +242,7 @@ def _convert_command(args) -> int:
     docs/checkpoints.md."""
     from ktx import convert
 
-    usage = {"import": "ktx import hf:DIR|t5x:DIR|camtl:DIR OUT_DIR",
+    usage = {"import": "ktx import hf:DIR|t5x:DIR|camtl:DIR|pals:DIR OUT_DIR",
              "export": "ktx export RUN_OR_CHECKPOINT_DIR hf:OUT_DIR|t5x:OUT_DIR|conditioning:FILE "
                        "[--checkpoint STEP] [--backbone_only]"}
     if len(args.args) != 2:

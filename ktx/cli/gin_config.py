@@ -260,12 +260,12 @@ PATH_MACROS = (
 _URL = re.compile(r"^[A-Za-z][\w+.-]*://")
 
 
-_SOURCE_PREFIX = re.compile(r"^(hf|t5x|camtl|conditioning):(.*)$", re.S)
+_SOURCE_PREFIX = re.compile(r"^(hf|t5x|camtl|pals|conditioning):(.*)$", re.S)
 
 
 def absolute_path(value: str) -> str:
     """`value` made absolute against the working directory (`~` expanded); URLs
-    (`gs://...`) are kept as they are and `hf:`/`t5x:`/`camtl:`/`conditioning:` keep their prefix."""
+    (`gs://...`) are kept as they are and `hf:`/`t5x:`/`camtl:`/`pals:`/`conditioning:` keep their prefix."""
     if _URL.match(value):
         return value
     m = _SOURCE_PREFIX.match(value)

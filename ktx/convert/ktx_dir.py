@@ -12,7 +12,9 @@ the parameters of a ktx run or checkpoint (latest step or `step`) and writes a H
 Face T5 or BERT directory; `export_checkpoint(SRC, "t5x:DIR")` a T5X checkpoint.
 
 `camtl:DIR` (the authors' CA-MTL checkpoint, `ktx.convert.camtl`) writes a model.gin
-binding MODEL to the matching `ktx.models.camtl.CaMtlClassifierModel`.
+binding MODEL to the matching `ktx.models.camtl.CaMtlClassifierModel`; `pals:DIR` (the
+authors' BERT-and-PALs checkpoint, `ktx.convert.pals`) one binding
+`ktx.models.pals.PalsClassifierModel`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ __all__ = [
     "EXPORT_PREFIXES",
 ]
 
-SOURCE_PREFIXES = ("hf", "t5x", "camtl")
+SOURCE_PREFIXES = ("hf", "t5x", "camtl", "pals")
 
 
 def _split(source: str | os.PathLike) -> tuple[str | None, str]:
@@ -72,7 +74,7 @@ def load_source(source: str | os.PathLike, *, lazy: bool = False) -> Imported:
         raise ValueError(
             f"checkpoint source {os.fspath(source)!r}: accepted: 'hf:DIR' (a Hugging Face T5 "
             "directory), 't5x:DIR' (a T5X checkpoint_<step> or model directory) or "
-            "'camtl:DIR' (an authors' CA-MTL checkpoint)"
+            "'camtl:DIR' / 'pals:DIR' (the authors' CA-MTL / PALs checkpoint)"
         )
     if not path:
         raise ValueError(f"checkpoint source {os.fspath(source)!r} names no directory")
@@ -80,6 +82,10 @@ def load_source(source: str | os.PathLike, *, lazy: bool = False) -> Imported:
         from ktx.convert.camtl import read_camtl
 
         return read_camtl(path)
+    if prefix == "pals":
+        from ktx.convert.pals import read_pals
+
+        return read_pals(path)
     if prefix == "hf" and is_hf_bert(path):  # config.json's model_type picks the reader
         return read_hf_bert(path, lazy=lazy)
     return read_hf_t5(path, lazy=lazy) if prefix == "hf" else read_t5x(path, lazy=lazy)
@@ -138,13 +144,16 @@ def write_ktx_checkpoint(
     """Writes `params` (checked against `config`, a `T5Config` or `BertConfig`) as a ktx
     checkpoint directory (step 0, `model.gin`); all or nothing (`out` must be new or empty)."""
     from ktx.training.checkpoints import CheckpointManager
-    from ktx.convert import camtl
+    from ktx.convert import camtl, pals
     from ktx.training.trainer import TrainState
 
     flat = dict(layout.flatten(params))  # arrays or LazyArrays: only shapes are checked here
     if isinstance(config, camtl.CaMtlCheckpointConfig):
         camtl.check_params(flat, config, where=source or "the parameters")
         gin_text, meta = camtl.model_gin(config, source), {"camtl_config": camtl.config_to_dict(config)}
+    elif isinstance(config, pals.PalsCheckpointConfig):
+        pals.check_params(flat, config, where=source or "the parameters")
+        gin_text, meta = pals.model_gin(config, source), {"pals_config": pals.config_to_dict(config)}
     elif isinstance(config, hf_bert.BertConfig):
         hf_bert.check_params(flat, config, where=source or "the parameters")
         gin_text, meta = hf_bert.model_gin(config, source), {"bert_config": hf_bert.config_to_dict(config)}
@@ -168,7 +177,8 @@ def import_checkpoint(source: str | os.PathLike, out: str | os.PathLike) -> path
     """`ktx import`: converts `hf:DIR` / `t5x:DIR` into the ktx checkpoint directory
     `out`; returns its absolute path. Nothing is written when reading fails."""
     imported = load_source(source, lazy=True)
-    return write_ktx_checkpoint(imported.params, imported.config, out, source=imported.source)
+    config = getattr(imported, "checkpoint_config", imported.config)  # PALs: backbone + PALs
+    return write_ktx_checkpoint(imported.params, config, out, source=imported.source)
 
 
 def read_ktx_checkpoint(

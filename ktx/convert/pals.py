@@ -56,6 +56,83 @@ _CLASSIFIER = re.compile(r"classifier\.(\d+)\.weight")
 _LAYER_COPY = re.compile(r"bert\.encoder\.layer\.(\d+)\.multi_layers\.(\d+)\.(aug_dense2?)\.(weight|bias)")
 
 
+class PalsCheckpointConfig(NamedTuple):
+    """What a PALs checkpoint describes: the backbone's `BertConfig`, each task's head
+    size, the PAL width and heads (`ktx import pals:DIR` writes it to the metadata)."""
+
+    bert: BertConfig
+    num_labels: tuple[int, ...]
+    pals_size: int
+    pals_heads: int
+
+    def model(self, **kwargs: Any):
+        """The `PalsClassifierModel` these parameters belong to."""
+        from ktx.models.pals import PalsClassifierModel
+
+        return PalsClassifierModel(self.bert, num_labels=self.num_labels,
+                                   pals_size=self.pals_size, pals_heads=self.pals_heads, **kwargs)
+
+
+def expected_shapes(config: PalsCheckpointConfig) -> dict[str, tuple[int, ...]]:
+    """`{ktx path: shape}` of the config's `PalsClassifierModel` (shapes only)."""
+    import flax.linen as nn
+    import jax
+
+    model = config.model()
+    abstract = jax.eval_shape(model.init_variables, jax.random.key(0),
+                              model.input_spec(1, {"inputs": 8}))
+    return {k: tuple(v.shape) for k, v in layout.flatten(nn.unbox(abstract)["params"]).items()}
+
+
+def check_params(flat: Mapping[str, Any], config: PalsCheckpointConfig, *, where: str) -> None:
+    """ValueError naming every parameter of `flat` that the config's model lacks, misses
+    or has with another shape."""
+    shapes = expected_shapes(config)
+    lines = [f"  {p}: shape {list(np.shape(v))}, expected {list(shapes[p])}"
+             for p, v in flat.items() if p in shapes and tuple(np.shape(v)) != shapes[p]]
+    lines += [f"  {p}: not a parameter of PalsClassifierModel" for p in flat if p not in shapes]
+    lines += [f"  {p}: missing (shape {list(s)})" for p, s in shapes.items() if p not in flat]
+    if lines:
+        raise ValueError(f"{where}: the parameters do not match {config}:\n" + "\n".join(lines))
+
+
+def config_to_dict(config: PalsCheckpointConfig) -> dict[str, Any]:
+    """JSON-able fields (checkpoint metadata)."""
+    import dataclasses
+
+    return {"bert": dataclasses.asdict(config.bert), "num_labels": list(config.num_labels),
+            "pals_size": config.pals_size, "pals_heads": config.pals_heads}
+
+
+def model_gin(config: PalsCheckpointConfig, source: str = "") -> str:
+    """A gin model file binding MODEL to the config's `PalsClassifierModel`."""
+    from ktx.convert.hf_bert import bert_config_gin
+
+    c = config.bert
+    return f"""# ktx PALs matching {source or 'an imported checkpoint'} (written by `ktx import`).
+# Binds MODEL; include it as a model file, then start a run from the parameters with
+#   --gin.INITIAL_CHECKPOINT_PATH="'<this directory>'"
+from __gin__ import dynamic_registration
+import ktx.models.bert as bert
+import ktx.models.pals as pals
+
+NUM_LABELS = {tuple(config.num_labels)!r}
+VOCAB_SIZE = {c.vocab_size}  # the checkpoint's vocabulary: the tasks must use the same one
+DROPOUT_RATE = {float(c.dropout_rate)!r}  # the checkpoint config's rate
+ACTIVATION_DTYPE = {c.dtype!r}  # 'bfloat16' trains faster; parameters stay float32
+LOSS_NORMALIZATION = 'global'
+
+MODEL = @pals.PalsClassifierModel()
+pals.PalsClassifierModel:
+  config = @bert.BertConfig()
+  num_labels = %NUM_LABELS
+  loss_normalization = %LOSS_NORMALIZATION
+  pals_size = {config.pals_size}
+  pals_heads = {config.pals_heads}
+
+{bert_config_gin(c)}"""
+
+
 class PalsImported(NamedTuple):
     """A converted PALs checkpoint: the backbone's `BertConfig`, each task's head size,
     the PAL width and heads, the `params` of `PalsClassifierModel.module` (nested dicts
@@ -68,13 +145,15 @@ class PalsImported(NamedTuple):
     params: dict[str, Any]
     source: str
 
+    @property
+    def checkpoint_config(self) -> PalsCheckpointConfig:
+        """The config `ktx import` records (backbone, heads, PAL width and heads)."""
+        return PalsCheckpointConfig(self.config, self.num_labels, self.pals_size, self.pals_heads)
+
     def model(self, **kwargs: Any):
         """A `PalsClassifierModel` of this checkpoint's shapes (`kwargs`: its other
         arguments, e.g. `loss_normalization`)."""
-        from ktx.models.pals import PalsClassifierModel
-
-        return PalsClassifierModel(self.config, num_labels=self.num_labels,
-                                   pals_size=self.pals_size, pals_heads=self.pals_heads, **kwargs)
+        return self.checkpoint_config.model(**kwargs)
 
 
 def pals_config_from_authors(values: Mapping[str, Any], *, where: str) -> tuple[BertConfig, int]:

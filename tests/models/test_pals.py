@@ -248,3 +248,36 @@ def test_starts_from_a_bert_checkpoint():
     assert {p.split("/")[0] for p in report.initialized} == {"conditioning", "pooler", "task_heads"}
     word = convert.read_hf_bert(folder).params["embeddings"]["word_embeddings"]["embedding"]
     np.testing.assert_array_equal(params["embeddings"]["word_embeddings"]["embedding"], word)
+
+
+def test_import_writes_a_loadable_checkpoint(imported, tmp_path):
+    """`ktx import pals:DIR OUT`: the converted parameters, a model.gin that builds the
+    same `PalsClassifierModel`, and `INITIAL_CHECKPOINT_PATH` (OUT, or `pals:DIR` itself)
+    loading every parameter: the authors' logits again."""
+    import gin
+
+    from ktx import cli, convert
+    from ktx.training import checkpoints
+
+    out = tmp_path / "imported"
+    assert cli.main(["import", f"pals:{FIXTURE}", str(out)]) == 0
+    flat, _, _ = convert.read_ktx_checkpoint(out)
+    want = convert.flatten(imported.params)
+    assert set(flat) == set(want) and all(np.array_equal(flat[p], want[p]) for p in want)
+    try:
+        cli.parse_gin([str(out / "model.gin")])
+        model = gin.query_parameter("%MODEL").scoped_configurable_fn()
+    finally:
+        gin.clear_config(clear_constants=True)
+    assert isinstance(model, pals.PalsClassifierModel)
+    assert (model.num_labels, model.pals_size) == (imported.num_labels, imported.pals_size)
+    ref, inputs, _ = _reference()
+    batch = {k: v for k, v in inputs.items()}
+    batch["task_id"] = np.zeros(inputs["input_ids"].shape[0], np.int32)
+    init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), batch)["params"]))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
+    for source in (str(out), f"pals:{FIXTURE}"):
+        params, report = checkpoints.load_initial_params(source, abstract, init)
+        assert report.initialized == ()
+        np.testing.assert_allclose(model.logits(params, batch)[0], np.asarray(ref["logits"]["0"]),
+                                   **TOL)
