@@ -84,6 +84,18 @@ def get_on_bad_row() -> str:
 
 
 @contextlib.contextmanager
+def settings_kept() -> Iterator[None]:
+    """Restores this process's data folder and bad-row policy on exit: for code whose
+    workers set them and may share the process (Beam's DirectRunner runs
+    `ktx.data.seqio_cache`'s worker setup in the caller's process)."""
+    saved = (_data_dir["default"], _policy["default"])
+    try:
+        yield
+    finally:
+        _data_dir["default"], _policy["default"] = saved
+
+
+@contextlib.contextmanager
 def on_bad_row_policy(policy: str | None) -> Iterator[None]:
     """Within the block the policy is `policy` (None: unchanged); restored afterwards."""
     if policy is None:

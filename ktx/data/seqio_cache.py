@@ -196,7 +196,8 @@ def cache_tasks(
             tf.io.gfile.rmtree(folder)
     tf.io.gfile.makedirs(os.fspath(cache_dir))
     options = beam.options.pipeline_options.PipelineOptions(list(pipeline_options))
-    with beam.Pipeline(options=options) as pipeline:
+    # DirectRunner workers run `_worker_setup` in this process: keep its settings.
+    with files.settings_kept(), beam.Pipeline(options=options) as pipeline:
         for name, folder in folders.items():
             task = seqio.get_mixture_or_task(name)
             written = []

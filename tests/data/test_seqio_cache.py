@@ -210,3 +210,21 @@ def test_real_tasks_cached_equal_uncached(data_dir, tmp_path):
         uncached = _examples(name, split, False)
         assert seqio_cache.cache_stats(out, name, split)["examples"] == sum(uncached.values()) > 0
         assert _examples(name, split, True) == uncached, (name, split)
+
+
+def test_cache_leaves_the_process_data_settings_as_they_were(cache_dir, monkeypatch):
+    """DirectRunner runs the workers' setup (data folder, bad-row policy) in this process:
+    after `ktx cache` the caller's settings are back (before: the folder leaked, and a later
+    loader found data where none was configured)."""
+    from ktx.data import files as data_files
+
+    monkeypatch.setenv("KTX_DATA_DIR", str(cache_dir))  # the caller's folder comes from $KTX_DATA_DIR
+    data_files.set_data_dir(None)
+    data_files.set_on_bad_row(None)
+    gin.clear_config(clear_constants=True)
+    assert cli.main(["cache", f"--tasks={TASK}", "--splits=train", f"--cache_dir={cache_dir / 'again'}",
+                     "--min_shards=1"]) == 0
+    monkeypatch.delenv("KTX_DATA_DIR")  # the workers' explicit folder must not outlive the run
+    with pytest.raises(data_files.DataFileError, match="No data directory"):
+        data_files.resolve_data_dir()
+    assert data_files.get_on_bad_row() == "raise"
