@@ -148,14 +148,7 @@ def config_from_dict(values: Mapping[str, Any], *, variant: str | None = None,
 
 def expected_shapes(config: CaMtlCheckpointConfig) -> dict[str, tuple[int, ...]]:
     """`{ktx path: shape}` of the config's `CaMtlClassifierModel` (shapes only)."""
-    import flax.linen as nn
-    import jax
-
-    model = config.model()
-    spec = model.input_spec(1, {"inputs": config.camtl.max_seq_length})
-    abstract = jax.eval_shape(model.init_variables, jax.random.key(0), spec)
-    flat = layout.flatten(nn.unbox(abstract)["params"])
-    return {k: tuple(v.shape) for k, v in flat.items()}
+    return layout.model_shapes(config.model(), config.camtl.max_seq_length)
 
 
 def _mapping(config: CaMtlCheckpointConfig) -> dict[str, tuple[str, bool]]:
@@ -272,13 +265,8 @@ def read_camtl(path: Any) -> CaMtlImported:
 def check_params(flat: Mapping[str, Any], config: CaMtlCheckpointConfig, *, where: str) -> None:
     """ValueError naming every parameter of `flat` that the config's model lacks, misses
     or has with another shape."""
-    shapes = expected_shapes(config)
-    lines = [f"  {p}: shape {list(np.shape(v))}, expected {list(shapes[p])}"
-             for p, v in flat.items() if p in shapes and tuple(np.shape(v)) != shapes[p]]
-    lines += [f"  {p}: not a parameter of CaMtlClassifierModel" for p in flat if p not in shapes]
-    lines += [f"  {p}: missing (shape {list(s)})" for p, s in shapes.items() if p not in flat]
-    if lines:
-        raise ValueError(f"{where}: the parameters do not match {config}:\n" + "\n".join(lines))
+    layout.check_model_params(flat, expected_shapes(config), owner="CaMtlClassifierModel",
+                              config=config, where=where)
 
 
 def config_to_dict(config: CaMtlCheckpointConfig) -> dict[str, Any]:

@@ -28,10 +28,35 @@ __all__ = [
     "unflatten",
     "expected_shapes",
     "check_params",
+    "model_shapes",
+    "check_model_params",
     "config_from_params",
     "config_to_dict",
     "config_from_dict",
 ]
+
+
+def model_shapes(model: Any, length: int) -> dict[str, tuple[int, ...]]:
+    """`{path: shape}` of an encoder model's parameters (shapes only: `jax.eval_shape` of
+    its `init_variables` on inputs of `length` tokens)."""
+    import flax.linen as nn
+    import jax
+
+    abstract = jax.eval_shape(model.init_variables, jax.random.key(0),
+                              model.input_spec(1, {"inputs": length}))
+    return {k: tuple(v.shape) for k, v in flatten(nn.unbox(abstract)["params"]).items()}
+
+
+def check_model_params(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], *,
+                       owner: str, config: Any, where: str) -> None:
+    """ValueError naming every parameter of `flat` that `owner` (the model class, shapes
+    `shapes`) lacks, misses or has with another shape."""
+    lines = [f"  {p}: shape {list(np.shape(v))}, expected {list(shapes[p])}"
+             for p, v in flat.items() if p in shapes and tuple(np.shape(v)) != shapes[p]]
+    lines += [f"  {p}: not a parameter of {owner}" for p in flat if p not in shapes]
+    lines += [f"  {p}: missing (shape {list(s)})" for p, s in shapes.items() if p not in flat]
+    if lines:
+        raise ValueError(f"{where}: the parameters do not match {config}:\n" + "\n".join(lines))
 
 
 def _mlp_names(config: T5Config) -> list[str]:

@@ -75,25 +75,14 @@ class PalsCheckpointConfig(NamedTuple):
 
 def expected_shapes(config: PalsCheckpointConfig) -> dict[str, tuple[int, ...]]:
     """`{ktx path: shape}` of the config's `PalsClassifierModel` (shapes only)."""
-    import flax.linen as nn
-    import jax
-
-    model = config.model()
-    abstract = jax.eval_shape(model.init_variables, jax.random.key(0),
-                              model.input_spec(1, {"inputs": 8}))
-    return {k: tuple(v.shape) for k, v in layout.flatten(nn.unbox(abstract)["params"]).items()}
+    return layout.model_shapes(config.model(), 8)
 
 
 def check_params(flat: Mapping[str, Any], config: PalsCheckpointConfig, *, where: str) -> None:
     """ValueError naming every parameter of `flat` that the config's model lacks, misses
     or has with another shape."""
-    shapes = expected_shapes(config)
-    lines = [f"  {p}: shape {list(np.shape(v))}, expected {list(shapes[p])}"
-             for p, v in flat.items() if p in shapes and tuple(np.shape(v)) != shapes[p]]
-    lines += [f"  {p}: not a parameter of PalsClassifierModel" for p in flat if p not in shapes]
-    lines += [f"  {p}: missing (shape {list(s)})" for p, s in shapes.items() if p not in flat]
-    if lines:
-        raise ValueError(f"{where}: the parameters do not match {config}:\n" + "\n".join(lines))
+    layout.check_model_params(flat, expected_shapes(config), owner="PalsClassifierModel",
+                              config=config, where=where)
 
 
 def config_to_dict(config: PalsCheckpointConfig) -> dict[str, Any]:
