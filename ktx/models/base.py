@@ -118,6 +118,28 @@ class BaseModel(abc.ABC):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`([T] loss sums, aux)`: aux maps metric names to `[T]` sums, with `"weight"`."""
 
+    def init_model_state(self, params: Any) -> Any:
+        """The state this model carries from step to step, built from the step-0
+        parameters (a pytree of arrays; leaves with a parameter's path suffix and shape
+        are sharded as that parameter), or None (the default): no state, and a
+        `TrainState`, a compiled step and a checkpoint exactly as without this hook."""
+        del params
+        return None
+
+    def update_model_state(self, model_state: Any, params: Any, step: jax.Array) -> Any:
+        """The state after optimizer step `step` (0-based, traced int32), given the
+        parameters that step produced; default: unchanged."""
+        del params, step
+        return model_state
+
+    def loss_sums_with_state(
+        self, params: Any, model_state: Any, batch: Batch, rng: jax.Array | None, train: bool
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`loss_sums` given the carried `model_state` (the train step calls this; no
+        gradient reaches `model_state`); default: `loss_sums`, the state unused."""
+        del model_state
+        return self.loss_sums(params, batch, rng, train)
+
     def normalizer(self, batch: Batch) -> jax.Array:
         """`[T]` divisors turning `loss_sums` into `task_losses`."""
         weights = self.task_weights(batch)
@@ -136,13 +158,15 @@ class BaseModel(abc.ABC):
         rng: jax.Array | None = None,
         train: bool = True,
         normalizer: jax.Array | None = None,
+        model_state: Any = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`[T]` normalised per-task losses and aux sums.
 
         `normalizer` overrides `self.normalizer(batch)`: the gradient engine passes the
-        whole batch's normalizer when `batch` is one task's block.
+        whole batch's normalizer when `batch` is one task's block. `model_state` (the
+        train state's, see `init_model_state`) goes to `loss_sums_with_state`.
         """
-        sums, aux = self.loss_sums(params, batch, rng, train)
+        sums, aux = self.loss_sums_with_state(params, model_state, batch, rng, train)
         if normalizer is None:
             normalizer = self.normalizer(batch)
         return sums / normalizer, aux

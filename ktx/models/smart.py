@@ -35,11 +35,25 @@ ascent and the adversarial forward reuse the clean forward's dropout keys (the s
 so the term of a row does not depend on which rows share its (sub-)batch: task blocks,
 the one-hot VJP and microbatches compute the same gradient (`ktx.models.base`).
 
-The Bregman proximal point term (eq. 2-3: `μ ℓ_s(f(x; θ), f(x; θ̃_t))` with momentum
-teacher `θ̃_t = (1 − β) θ_t + β θ̃_{t−1}`) needs θ̃ carried from step to step, which
-`ktx.training.trainer.TrainState` (step, params, opt_state) has no place for:
-`proximal_sums` and `teacher_update` implement its two equations, but the train step does
-not call them (docs/encoders.md, "SMART").
+The Bregman proximal point term (eq. 2-3), with `proximal_weight` μ > 0:
+
+    θ_{t+1} = argmin_θ F(θ) + μ D_Breg(θ, θ̃_t),  D_Breg(θ, θ̃) = 1/n Σ_i ℓ_s(f(x_i; θ), f(x_i; θ̃))
+    θ̃_{t+1} = (1 − β) θ_t + β θ̃_t,               θ̃_1 = θ_0 (Algorithm 1, lines 1 and 14)
+
+solved, as the paper does in practice, by one optimizer step on `F + μ D_Breg` per
+step. The teacher θ̃ is the model's carried state (`BaseModel.init_model_state`: the
+trainer keeps it in `TrainState.model_state`, sharded like the parameters and
+checkpointed with them): `init_model_state(params)` copies the step-0 parameters (those of
+INITIAL_CHECKPOINT_PATH when a run starts from one), `loss_sums_with_state` adds
+`μ ℓ_s(f(x_i; θ), f(x_i; θ̃))` to row i's task (the teacher's prediction under
+`stop_gradient`, the student's the clean forward of the adversarial term, reused), and
+`update_model_state` applies the momentum (`teacher_update`) to the parameters the
+optimizer step produced. The teacher's forward uses the student's dropout keys (the same
+masks), so the term measures the parameters' difference only and is exactly 0 at the
+first step (θ̃ = θ). Frozen parameters (`frozen_patterns`) never move, so their teacher
+equals them for ever: the teacher holds no copy of them (None leaves) and reads them from
+θ. `teacher_momentum` β is a number or a schedule `step -> β` (`momentum_schedule`: the
+paper's 0.99, then 0.999).
 
 Paper defaults (section 5): σ = 1e-5, ε = 1e-5, η = 1e-3, T_x̃ = 1, λ_s ∈ {1, 3, 5},
 μ = 1, β = 0.99 then 0.999. With ε = 1e-5 the paper's term is tiny (ℓ_s ~ 1e-14 on a
@@ -49,12 +63,14 @@ activations (`BertConfig.dtype`), and see `projection="code"`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ktx import treepath
 from ktx.models import encoder
 from ktx.models.base import BaseModel, Batch, row_keys, segment_sum_by_task
 
@@ -62,6 +78,7 @@ __all__ = [
     "PROJECTIONS",
     "SmartModel",
     "initial_noise",
+    "momentum_schedule",
     "proximal_sums",
     "row_divergence",
     "symmetric_kl",
@@ -103,9 +120,54 @@ def initial_noise(rng: Array, batch: Batch, shape: tuple[int, int], noise_std: f
     return noise_std * jax.vmap(lambda k: jax.random.normal(k, shape, jnp.float32))(keys)
 
 
-def teacher_update(teacher: Any, params: Any, beta: float) -> Any:
-    """The momentum teacher of the proximal term (eq. 3): `θ̃_t = (1 − β) θ_t + β θ̃_{t−1}`."""
-    return jax.tree.map(lambda s, p: (1.0 - beta) * p + beta * s, teacher, params)
+def teacher_update(teacher: Any, params: Any, beta: float | Array) -> Any:
+    """The momentum teacher of the proximal term (eq. 3): `θ̃_t = (1 − β) θ_t + β θ̃_{t−1}`,
+    in each leaf's dtype; a None leaf of `teacher` (a frozen parameter) stays None."""
+    def update(s, p):
+        if s is None:
+            return None
+        b = jnp.asarray(beta, s.dtype)
+        return (1 - b) * p.astype(s.dtype) + b * s
+
+    return jax.tree.map(update, teacher, params, is_leaf=lambda x: x is None)
+
+
+def full_teacher(teacher: Any, params: Any) -> Any:
+    """The teacher's parameters for a forward pass: its leaves, and `params`' where the
+    teacher holds None (frozen parameters, equal in θ and θ̃)."""
+    return jax.tree.map(lambda s, p: p if s is None else s, teacher, params,
+                        is_leaf=lambda x: x is None)
+
+
+def momentum_schedule(values: Sequence[float] = (0.99, 0.999),
+                      boundaries: Sequence[int] = ()) -> Callable[[Array], Array]:
+    """`step -> β`: `values[k]` from step `boundaries[k − 1]` on (`values[0]` before
+    `boundaries[0]`). The paper's β is 0.99, then 0.999: `momentum_schedule((0.99, 0.999),
+    (switch_step,))`."""
+    values, boundaries = tuple(values), tuple(boundaries)
+    if len(values) != len(boundaries) + 1:
+        raise ValueError(f"momentum_schedule(values={values!r}, boundaries={boundaries!r}): "
+                         "needs one more value than boundaries")
+    for v in values:
+        _check_momentum("momentum_schedule.values", v)
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in boundaries) or \
+            list(boundaries) != sorted(boundaries):
+        raise ValueError(f"momentum_schedule.boundaries={boundaries!r}: accepted: increasing "
+                         "ints >= 0 (steps)")
+
+    def schedule(step):
+        index = jnp.sum(jnp.asarray(step) >= jnp.asarray(boundaries, jnp.int32)) if boundaries \
+            else 0
+        return jnp.asarray(values, jnp.float32)[index]
+
+    return schedule
+
+
+def _check_momentum(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"SmartModel.{name}={value!r}: accepted: a number in [0, 1] (the "
+                         "paper: 0.99, then 0.999), or a schedule step -> β (momentum_schedule)")
+    return float(value)
 
 
 def proximal_sums(base: encoder.EncoderClassifierModel, params: Any, teacher: Any,
@@ -141,13 +203,21 @@ class SmartModel(BaseModel):
       projection: "paper" (normalised gradient step, clip to the ε-ball) or "code" (the
         authors' code: raw gradient step, unit ∞-norm per token; see the module docstring).
 
-    Aux adds `smart_adversarial` (`[T]` sums of `ℓ_s(f(x), f(x̃))`, before λ_s) in training.
+      proximal_weight: μ of the Bregman proximal point term `μ ℓ_s(f(x; θ), f(x; θ̃))`
+        (0: no term and no teacher: the model carries no state).
+      teacher_momentum: β of the momentum teacher `θ̃ ← (1 − β) θ + β θ̃`: a number in
+        [0, 1] or a schedule `step -> β` (`momentum_schedule`); 1 keeps θ̃ = θ_0.
+
+    Aux adds `smart_adversarial` (`[T]` sums of `ℓ_s(f(x), f(x̃))`, before λ_s) in training,
+    and with μ > 0 `smart_proximal` (`[T]` sums of `ℓ_s(f(x; θ), f(x; θ̃))`, before μ).
     Parameters, features, frozen patterns and normalisation are `base`'s.
     """
 
     def __init__(self, base: encoder.EncoderClassifierModel, *, weight: float = 1.0,
                  noise_std: float = 1e-5, step_size: float = 1e-3, epsilon: float = 1e-5,
-                 ascent_steps: int = 1, projection: str = "paper"):
+                 ascent_steps: int = 1, projection: str = "paper",
+                 proximal_weight: float = 0.0,
+                 teacher_momentum: float | Callable[[Array], Array] = 0.99):
         if not isinstance(base, encoder.EncoderClassifierModel):
             raise TypeError(f"SmartModel.base={type(base).__name__}; accepted: a ktx encoder "
                             "classifier (ktx.models.encoder.EncoderClassifierModel or subclass)")
@@ -162,6 +232,9 @@ class SmartModel(BaseModel):
         self.step_size = _check_number("step_size", step_size)
         self.epsilon = _check_number("epsilon", epsilon, positive=True)
         self.ascent_steps = ascent_steps
+        self.proximal_weight = _check_number("proximal_weight", proximal_weight)
+        self.teacher_momentum = teacher_momentum if callable(teacher_momentum) else \
+            _check_momentum("teacher_momentum", teacher_momentum)
         self.num_tasks = base.num_tasks
         self.num_labels = base.num_labels
         self.loss_normalization = base.loss_normalization
@@ -170,7 +243,9 @@ class SmartModel(BaseModel):
     def __repr__(self) -> str:
         return (f"SmartModel({self.base!r}, weight={self.weight}, noise_std={self.noise_std}, "
                 f"step_size={self.step_size}, epsilon={self.epsilon}, "
-                f"ascent_steps={self.ascent_steps}, projection={self.projection!r})")
+                f"ascent_steps={self.ascent_steps}, projection={self.projection!r}, "
+                f"proximal_weight={self.proximal_weight}, "
+                f"teacher_momentum={self.teacher_momentum!r})")
 
     def init_variables(self, rng: Array, batch: Batch) -> Any:
         return self.base.init_variables(rng, batch)
@@ -213,18 +288,80 @@ class SmartModel(BaseModel):
                 delta = delta / (jnp.max(jnp.abs(delta), axis=-1, keepdims=True) + self.epsilon)
         return jax.lax.stop_gradient(delta)
 
+    # -- the proximal term's teacher: the model state -----------------------------------
+
+    def _frozen(self, path) -> bool:
+        name = treepath.name(path)
+        return any(re.fullmatch(p, name) for p in self.frozen_patterns)
+
+    def init_model_state(self, params: Any) -> Any:
+        """`{"teacher": θ̃_1}` = the step-0 parameters (Algorithm 1, line 1), None for a
+        frozen parameter (read from θ, which it equals); None with μ = 0."""
+        if self.proximal_weight == 0.0:
+            return None
+        teacher = jax.tree_util.tree_map_with_path(
+            lambda path, p: None if self._frozen(path) else jnp.array(p, copy=True), params)
+        return {"teacher": teacher}
+
+    def momentum(self, step: Array) -> Array:
+        """β at 0-based step `step`."""
+        if callable(self.teacher_momentum):
+            return jnp.asarray(self.teacher_momentum(step), jnp.float32)
+        return jnp.asarray(self.teacher_momentum, jnp.float32)
+
+    def update_model_state(self, model_state: Any, params: Any, step: Array) -> Any:
+        """`θ̃ ← (1 − β(step)) θ + β(step) θ̃` with θ the parameters step `step` produced
+        (Algorithm 1, line 14)."""
+        if model_state is None:
+            return None
+        return {"teacher": teacher_update(model_state["teacher"], params, self.momentum(step))}
+
+    # -- losses ------------------------------------------------------------------------
+
     def loss_sums(self, params: Any, batch: Batch, rng: Array | None, train: bool
                   ) -> tuple[Array, dict[str, Array]]:
+        """The base loss plus the adversarial term (the proximal term needs the teacher:
+        `loss_sums_with_state`)."""
+        return self._loss_sums(params, None, batch, rng, train)
+
+    def loss_sums_with_state(self, params: Any, model_state: Any, batch: Batch,
+                             rng: Array | None, train: bool) -> tuple[Array, dict[str, Array]]:
+        """The base loss plus the adversarial term plus, with μ > 0, the proximal term
+        against `model_state["teacher"]` (no gradient to the teacher)."""
+        if train and self.proximal_weight > 0.0 and model_state is None:
+            raise ValueError(
+                f"SmartModel(proximal_weight={self.proximal_weight}) in training needs its "
+                "teacher: the train state's model_state (ktx.training.trainer.TrainState, "
+                "from SmartModel.init_model_state(params))")
+        return self._loss_sums(params, model_state, batch, rng, train)
+
+    def _loss_sums(self, params, model_state, batch, rng, train):
         base = self.base
-        if not train or self.weight == 0.0:
+        proximal = train and self.proximal_weight > 0.0 and model_state is not None
+        if not train or (self.weight == 0.0 and not proximal):
             return base.loss_sums(params, batch, rng, train)
         if rng is None:
-            raise ValueError("SmartModel.loss_sums(train=True) needs an rng (SMART's noise)")
+            raise ValueError("SmartModel.loss_sums(train=True) needs an rng (SMART's noise "
+                             "and dropout)")
+        teacher = None
+        if proximal:  # before the frozen leaves' stop_gradient: the teacher reads θ's
+            teacher = jax.lax.stop_gradient(full_teacher(model_state["teacher"], params))
         params = encoder.stop_frozen_gradients(params, base.frozen_patterns)
         clean = base.logits(params, batch, rng, train)
         sums, aux = base.loss_sums_from_logits(clean, batch)
-        delta = self.adversarial_perturbation(params, batch, rng, clean, train)
-        adversarial = base.logits(params, batch, rng, train, embedding_perturbation=delta)
-        d = row_divergence(base.num_labels, clean, adversarial, batch["task_id"])
-        term = segment_sum_by_task(d * base.row_weights(batch), batch["task_id"], self.num_tasks)
-        return sums + self.weight * term, dict(aux, smart_adversarial=term)
+        weights, task_id = base.row_weights(batch), batch["task_id"]
+        if self.weight > 0.0:
+            delta = self.adversarial_perturbation(params, batch, rng, clean, train)
+            adversarial = base.logits(params, batch, rng, train, embedding_perturbation=delta)
+            d = row_divergence(base.num_labels, clean, adversarial, task_id)
+            term = segment_sum_by_task(d * weights, task_id, self.num_tasks)
+            sums = sums + self.weight * term
+            aux = dict(aux, smart_adversarial=term)
+        if proximal:
+            # The same dropout keys as the student's forward: θ̃ = θ gives exactly 0.
+            fixed = jax.lax.stop_gradient(base.logits(teacher, batch, rng, train))
+            d = row_divergence(base.num_labels, clean, fixed, task_id)
+            term = segment_sum_by_task(d * weights, task_id, self.num_tasks)
+            sums = sums + self.proximal_weight * term
+            aux = dict(aux, smart_proximal=term)
+        return sums, aux

@@ -318,9 +318,8 @@ def _restore_or_init(trainer: Trainer, run: RunDir, first_batch, seed: int,
     params, report = load_initial_params(initial_checkpoint_path, abstract.params,
                                          lambda names: trainer.init_params(rng, first_batch, names))
     print(report.summary(), flush=True)
-    opt_state = jax.jit(trainer.init_opt_state, out_shardings=trainer.state_shardings.opt_state)(params)
-    step = jax.device_put(np.zeros((), np.int32), trainer.state_shardings.step)
-    return TrainState(step=step, params=params, opt_state=opt_state), 0
+    # Optimizer state and the model's state (SMART's teacher = these parameters) of step 0.
+    return trainer.init_rest_of_state(params), 0
 
 
 def _resolve_train_steps(train_input: Any, train_steps: Any, train_epochs: Any) -> int:

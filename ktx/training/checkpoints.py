@@ -2,7 +2,9 @@
 
 A run directory holds `checkpoints/<step>/` with two items: `state` (an orbax PyTree:
 `step`, `params` by parameter path, `opt_state` as its flattened leaves `"0"`,
-`"1"`, ...) and `meta` (JSON: step, task names, anything the caller adds). The data
+`"1"`, ..., and `model_state` the same way when the model carries one
+(`BaseModel.init_model_state`, e.g. SMART's teacher; absent otherwise, so such
+checkpoints are as before)) and `meta` (JSON: step, task names, anything the caller adds). The data
 position is the step (`ktx.runs.train.TrainInput`: the input is a pure function of the step), so
 restoring the state restores the data position.
 
@@ -83,20 +85,70 @@ def _reading(step_dir: pathlib.Path, fn, *args, **kwargs):
 
 
 def _state_to_tree(state: TrainState) -> dict:
-    leaves = jax.tree.leaves(state.opt_state)
-    return {
+    tree = {
         "step": state.step,
         "params": state.params,
-        "opt_state": {str(i): leaf for i, leaf in enumerate(leaves)},
+        "opt_state": {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(state.opt_state))},
     }
+    model_leaves = jax.tree.leaves(state.model_state)
+    if model_leaves:  # a model without state writes the checkpoint it always wrote
+        tree["model_state"] = {str(i): leaf for i, leaf in enumerate(model_leaves)}
+    return tree
+
+
+def _unflatten_like(like: Any, flat: Mapping[str, Any] | None) -> Any:
+    treedef = jax.tree.structure(like)
+    return jax.tree.unflatten(treedef, [flat[str(i)] for i in range(treedef.num_leaves)])
 
 
 def _tree_to_state(tree: Mapping[str, Any], like: TrainState) -> TrainState:
-    treedef = jax.tree.structure(like.opt_state)
-    leaves = [tree["opt_state"][str(i)] for i in range(treedef.num_leaves)]
     return TrainState(
-        step=tree["step"], params=tree["params"], opt_state=jax.tree.unflatten(treedef, leaves)
+        step=tree["step"], params=tree["params"],
+        opt_state=_unflatten_like(like.opt_state, tree["opt_state"]),
+        model_state=_unflatten_like(like.model_state, tree.get("model_state")),
     )
+
+
+def _saved_tree_metadata(step_dir: pathlib.Path) -> Mapping[str, Any]:
+    """The metadata tree (shapes, dtypes) of a saved step's `state` item."""
+    step_dir = pathlib.Path(step_dir).expanduser().absolute()
+    # The step-level metadata file lives one folder up (CheckpointManager layout);
+    # orbax's warning that `state/` has none is noise to the user.
+    with quiet_absl("Metadata file does not exist"):
+        metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
+    tree = getattr(metadata, "item_metadata", metadata)
+    return getattr(tree, "tree", tree)
+
+
+def _model_state_message(where: str, saved: Mapping[str, Any] | None, expected: Any) -> str | None:
+    """Why a saved `model_state` (flat leaves, or None) cannot restore `expected` (the
+    abstract model state), or None when the leaves' count and shapes agree."""
+    leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
+    saved = dict(saved or {})
+    if not leaves and not saved:
+        return None
+    if not saved:
+        return (f"checkpoint {where} holds no model state, but the model carries "
+                f"{len(leaves)} arrays of it (BaseModel.init_model_state: e.g. SMART's teacher, "
+                "smart.SmartModel.proximal_weight > 0); resume it with the model it was "
+                "written with, or start a new run from its parameters "
+                "(INITIAL_CHECKPOINT_PATH), which sets the model state from them")
+    if not leaves:
+        return (f"checkpoint {where} holds a model state of {len(saved)} arrays (e.g. SMART's "
+                "teacher, smart.SmartModel.proximal_weight > 0), but the model carries none; "
+                "resume it with the model it was written with, or start a new run from its "
+                "parameters (INITIAL_CHECKPOINT_PATH)")
+    lines = []
+    for i, (path, leaf) in enumerate(leaves):
+        got = saved.get(str(i))
+        shape = tuple(getattr(got, "shape", ())) if got is not None else None
+        if shape != tuple(leaf.shape):
+            lines.append(f"  {param_path(path)}: checkpoint {shape}, model {tuple(leaf.shape)}")
+    if len(saved) != len(leaves):
+        lines.append(f"  checkpoint {len(saved)} arrays, model {len(leaves)}")
+    if not lines:
+        return None
+    return f"checkpoint {where}: its model state does not match the model's:\n" + "\n".join(lines)
 
 
 def _restore_args(abstract_tree: Any) -> Any:
@@ -143,16 +195,7 @@ def saved_param_shapes(step_dir: str | os.PathLike) -> dict[str, tuple[int, ...]
     # orbax reads no metadata through a relative path: always hand it an absolute one.
     step_dir = pathlib.Path(step_dir).expanduser().absolute()
 
-    def read():
-        # The step-level metadata file lives one folder up (CheckpointManager layout);
-        # orbax's warning that `state/` has none is noise to the user.
-        with quiet_absl("Metadata file does not exist"):
-            metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
-        tree = getattr(metadata, "item_metadata", metadata)
-        tree = getattr(tree, "tree", tree)
-        return _flat_shapes(tree["params"])
-
-    return _reading(step_dir, read)
+    return _reading(step_dir, lambda: _flat_shapes(_saved_tree_metadata(step_dir)["params"]))
 
 
 def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> pathlib.Path:
@@ -261,10 +304,13 @@ class CheckpointManager:
             raise FileNotFoundError(
                 f"no checkpoint for step {step} in {str(self.directory)!r}; saved: {self.all_steps()}"
             )
-        saved = saved_param_shapes(self.directory / str(step))
+        step_dir = self.directory / str(step)
+        saved_tree = _reading(step_dir, _saved_tree_metadata, step_dir)
         message = _mismatch_message(
-            str(self.directory / str(step)), saved, _flat_shapes(abstract_state.params), False
-        )
+            str(step_dir), _flat_shapes(saved_tree["params"]), _flat_shapes(abstract_state.params),
+            False,
+        ) or _model_state_message(str(step_dir), saved_tree.get("model_state"),
+                                  abstract_state.model_state)
         if message:
             raise CheckpointShapeError(message)
         target = _state_to_tree(abstract_state)

@@ -24,7 +24,8 @@ options, not copies.
 The `Trainer` creates the state already sharded: `jax.eval_shape` of the model init
 -> `nn.get_partition_spec` -> `NamedSharding`s on the (data, model) mesh; optimizer
 state leaves take the sharding of the parameter whose path they end with (same shape),
-other leaves (counters, factored Adafactor moments) are replicated.
+other leaves (counters, factored Adafactor moments) are replicated. The model's own
+state (`BaseModel.init_model_state`, e.g. SMART's teacher θ̃) is sharded by the same rule.
 """
 
 from __future__ import annotations
@@ -63,11 +64,18 @@ __all__ = [
 @struct.dataclass
 class TrainState:
     """`step` (int32 scalar), `params` (the model's "params" collection), `opt_state`
-    (`TaskOptimizer.init`'s layout)."""
+    (`TaskOptimizer.init`'s layout), `model_state` (what the model carries from step to
+    step, `BaseModel.init_model_state(params)`: e.g. SMART's momentum teacher; None for
+    a model without one, so its state, compiled step and checkpoints are as before).
+
+    `model_state` is read by the loss on every gradient path without receiving a
+    gradient, and replaced by `model.update_model_state(model_state, new_params, step)`
+    after the optimizer step."""
 
     step: jax.Array
     params: Any
     opt_state: Any
+    model_state: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +209,9 @@ def train_step(
     num_tasks = model.num_tasks
     step_rng = jax.random.fold_in(rng, state.step)
     params = state.params
+    # The model's carried state (SMART's teacher) is closed over by every loss below: a
+    # constant of the differentiated functions, so no gradient reaches it.
+    model_state = state.model_state
     if options.uncertainty_rows:
         from ktx.training.mt_uncertainty import select_uncertain_rows
 
@@ -222,7 +233,8 @@ def train_step(
 
         def task_grads(mb):
             return optim.compute_task_gradients(
-                lambda p, b: model.loss_sums(p, b, step_rng, True), normalizer, params, mb,
+                lambda p, b: model.loss_sums_with_state(p, model_state, b, step_rng, True),
+                normalizer, params, mb,
                 num_tasks=num_tasks, shared=options.shared, sparse_tables=options.sparse_tables,
                 method=options.grad_method if blocked else "vjp",
                 task_capacity=options.task_capacity if blocked else None,
@@ -241,7 +253,8 @@ def train_step(
             diagnostics = jax.lax.cond(logged, diag, lambda: zeros)
     else:
         def loss(p, mb):
-            losses, aux = model.task_losses(p, mb, step_rng, True, normalizer=normalizer)
+            losses, aux = model.task_losses(p, mb, step_rng, True, normalizer=normalizer,
+                                            model_state=model_state)
             return losses.sum(), (losses, aux)
 
         grads, (task_losses, aux) = accumulate(
@@ -263,7 +276,9 @@ def train_step(
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_norm"] = optax.tree.norm(updates)
         metrics["param_norm"] = optax.tree.norm(new_params)
-    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
+    new_state = state.replace(
+        step=state.step + 1, params=new_params, opt_state=opt_state,
+        model_state=model.update_model_state(model_state, new_params, state.step))
     return new_state, metrics
 
 
@@ -295,8 +310,9 @@ def eval_step(
 def opt_state_shardings(
     abstract_opt_state: Any, abstract_params: Any, param_shardings: Any, mesh: Mesh
 ) -> Any:
-    """Shardings for optimizer state: a leaf whose tree path ends with a parameter's
-    path and has that parameter's shape takes its sharding; the rest is replicated."""
+    """Shardings for optimizer state (and the model's carried state): a leaf whose tree
+    path ends with a parameter's path and has that parameter's shape takes its sharding;
+    the rest is replicated."""
     by_path = {}
     for (path, leaf), sharding in zip(
         jax.tree_util.tree_flatten_with_path(abstract_params)[0],
@@ -405,7 +421,8 @@ class Trainer:
                 )
             params = nn.meta.unbox(variables["params"])
             return TrainState(
-                step=jnp.zeros((), jnp.int32), params=params, opt_state=self.init_opt_state(params)
+                step=jnp.zeros((), jnp.int32), params=params, opt_state=self.init_opt_state(params),
+                model_state=self.model.init_model_state(params),
             )
 
         return init
@@ -431,6 +448,21 @@ class Trainer:
         """The optimizer state of `params` (`TaskOptimizer.init`)."""
         return self.optimizer.init(params)
 
+    def init_rest_of_state(self, params: Any) -> TrainState:
+        """The step-0 `TrainState` of `params` (e.g. restored from
+        INITIAL_CHECKPOINT_PATH): step 0, `init_opt_state(params)` and the model's
+        `init_model_state(params)`, placed on the state's shardings; `params` are kept
+        as given (not copied)."""
+        if self.state_shardings is None:
+            raise ValueError("Trainer.init_rest_of_state before create_abstract_state")
+        sh = self.state_shardings
+        with self._context():
+            opt_state, model_state = jax.jit(
+                lambda p: (self.init_opt_state(p), self.model.init_model_state(p)),
+                out_shardings=(sh.opt_state, sh.model_state))(params)
+        step = jax.device_put(np.zeros((), np.int32), sh.step)
+        return TrainState(step=step, params=params, opt_state=opt_state, model_state=model_state)
+
     def create_abstract_state(self, batch: Mapping[str, Any]) -> tuple[TrainState, TrainState]:
         """`(abstract_state, shardings)`: ShapeDtypeStructs (with `.sharding` set) and
         NamedShardings of the train state, computed without allocating it."""
@@ -444,10 +476,15 @@ class Trainer:
             )
             abstract = jax.eval_shape(self._init_fn(batch), rng)
         opt_sh = opt_state_shardings(abstract.opt_state, abstract.params, param_shardings, self.mesh)
+        # The model's state follows the parameters by the same rule (a teacher copy of a
+        # parameter, under any prefix, is sharded as that parameter).
+        model_sh = opt_state_shardings(abstract.model_state, abstract.params, param_shardings,
+                                       self.mesh)
         shardings = TrainState(
             step=partitioning.replicated_sharding(self.mesh),
             params=param_shardings,
             opt_state=opt_sh,
+            model_state=model_sh,
         )
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
