@@ -26,6 +26,7 @@ from xml.parsers import expat
 
 from ktx.data import files
 from ktx.metrics import biomed as biomed_metrics
+from ktx.metrics.tagging import bio_tag_problem
 
 __all__ = [
     "DISEASE_IOB_LABELS",
@@ -103,7 +104,8 @@ def read_iob_sentences(
 
     A line with other than 2 tab-separated fields, an empty token, or a tag outside `labels`
     makes its whole sentence bad (raised, or skipped and counted once); the error names the
-    file and that line.
+    file and that line, and for a tag what is wrong with it (not a BIO tag, an entity type
+    the label set lacks: `ktx.metrics.tagging.bio_tag_problem`) and the tags accepted.
     """
     path = pathlib.Path(path)
     counter = counter or files.BadRowCounter(path)
@@ -136,7 +138,8 @@ def read_iob_sentences(
             counter.bad(number, "empty token")
             bad = True
         elif fields[1].strip() not in labels:
-            counter.bad(number, f"unknown tag {fields[1]!r}; accepted: {sorted(labels)}")
+            problem = bio_tag_problem(fields[1].strip(), labels)
+            counter.bad(number, f"unknown tag {fields[1]!r}: {problem}")
             bad = True
         else:
             tokens.append(fields[0].strip())

@@ -15,15 +15,34 @@ length `L`, as transformers' BERT tokenizers do for a sentence (pair): `input_id
 loses its last piece until the pair fits), `token_type_ids` 0 on `[CLS] a [SEP]`, 1 on
 `b [SEP]`, `attention_mask` 1 on real tokens, everything 0-padded, and `label` float32.
 `ktx.data.pipeline.MultiTaskInput` runs it once per task (no packing).
+
+Token tagging tasks (`LabelSpace.tagging(names)`, a BIO tag set such as `("O",
+"B-Disease", "I-Disease")`) have a sentence of words instead: `text_a` `[n]` the word
+pieces of its words, each word tokenized on its own (transformers' `is_split_into_words`;
+a word with no piece becomes one `[UNK]`, so no tagged word vanishes), `word_lengths`
+`[W]` the pieces of each word, and `label` `[W]` int32 the tag index of each word
+(`tokenize_words`). `convert_tagging` builds `[CLS] pieces [SEP]` rows with
+`token_labels` `[L]`: the word's tag on its FIRST piece, `IGNORE_LABEL` (-100, as
+transformers' token-classification recipe) on later pieces, `[CLS]`, `[SEP]` and padding,
+which the loss and the metric skip. Truncation keeps the first `L - 2` pieces; words whose
+first piece is cut are not trained on or predicted: each row counts them
+(`words_cut`), its gold entities not wholly kept (`entities_cut`) and whether its last
+kept gold entity runs on past the cut (`entity_crosses_cut`), so that evaluation scores
+those entities as missed (`ktx.metrics.tagging.EntityCounts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import logging
+
 import numpy as np
 import seqio
 import tensorflow as tf
+
+from ktx.metrics import tagging
+from ktx.metrics.biomed import iob_to_spans
 
 __all__ = [
     "TEXT_FEATURES",
@@ -38,33 +57,70 @@ __all__ = [
     "convert_encoder",
     "check_labels",
     "check_num_labels",
+    "HEAD_KINDS",
+    "SEQUENCE",
+    "TAGGING",
+    "IGNORE_LABEL",
+    "TAGGING_FEATURES",
+    "WORD_SEPARATOR",
+    "check_head_kinds",
+    "tokenize_words",
+    "convert_tagging",
+    "sequence_rows_for_tagging",
+    "log_truncation",
 ]
 
 TEXT_FEATURES = ("text_a", "text_b")
 ENCODER_FEATURES = ("input_ids", "token_type_ids", "attention_mask", "label")
+SEQUENCE, TAGGING = "sequence", "tagging"
+HEAD_KINDS = (SEQUENCE, TAGGING)  # a head on the pooled output / on every token
+IGNORE_LABEL = -100  # token_labels of positions the loss and the metric skip
+# Per-row features of a tagging row besides ENCODER_FEATURES (sequence rows of a mixture
+# with tagging tasks get IGNORE_LABEL / 0 there).
+TAGGING_FEATURES = ("token_labels", "words_cut", "entities_cut", "entity_crosses_cut")
+WORD_SEPARATOR = "\n"  # joins a sentence's words in a tagging task's source rows
 
 
 class LabelSpace(seqio.PassThroughVocabulary):
-    """The labels of an encoder task: `names` of its classes (label = index), or
-    `LabelSpace.regression(lo, hi)` for a score (one regression output).
+    """The labels of an encoder task: `names` of its classes (label = index),
+    `LabelSpace.regression(lo, hi)` for a score (one regression output), or
+    `LabelSpace.tagging(tags)` for a BIO tag per word (a token-tagging task).
 
-    `num_labels` is the size of the task's head: `len(names)`, or 1 for a regression.
+    `num_labels` is the size of the task's head: `len(names)`, or 1 for a regression;
+    `kind` the head it needs: "sequence" (on the pooled output) or "tagging" (every token).
     """
 
-    def __init__(self, names: Sequence[str] = (), *, score_range: tuple[float, float] | None = None):
+    def __init__(self, names: Sequence[str] = (), *, score_range: tuple[float, float] | None = None,
+                 kind: str = SEQUENCE):
         names = tuple(names)
+        if kind not in HEAD_KINDS:
+            raise ValueError(f"LabelSpace(kind={kind!r}); accepted: {HEAD_KINDS}")
         if bool(names) == (score_range is not None):
             raise ValueError(f"LabelSpace(names={names!r}, score_range={score_range!r}): give "
                              "class names (2 or more) or a score_range (regression), not both")
         if names and (len(names) < 2 or len(set(names)) != len(names)):
             raise ValueError(f"LabelSpace(names={names!r}): 2 or more distinct class names")
+        if kind == TAGGING:
+            if score_range is not None:
+                raise ValueError("LabelSpace(kind='tagging') takes BIO tag names, not a score_range")
+            tagging.check_bio_labels(names, owner="LabelSpace.tagging(names)")
         self.names = names
+        self.kind = kind
         self.score_range = None if score_range is None else (float(score_range[0]), float(score_range[1]))
         super().__init__(size=len(names) if names else 1)
 
     @classmethod
     def regression(cls, lo: float, hi: float) -> "LabelSpace":
         return cls(score_range=(lo, hi))
+
+    @classmethod
+    def tagging(cls, names: Sequence[str]) -> "LabelSpace":
+        """A BIO tag per word (`ktx.metrics.tagging.check_bio_labels`); label = tag index."""
+        return cls(names, kind=TAGGING)
+
+    @property
+    def is_tagging(self) -> bool:
+        return self.kind == TAGGING
 
     @property
     def is_regression(self) -> bool:
@@ -78,24 +134,34 @@ class LabelSpace(seqio.PassThroughVocabulary):
         if self.is_regression:
             lo, hi = self.score_range
             return f"a regression (1 label: a score in [{lo:g}, {hi:g}])"
+        if self.is_tagging:
+            return f"{len(self.names)} tags per word {list(self.names)}"
         return f"{len(self.names)} classes {list(self.names)}"
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, LabelSpace) and self.names == other.names
-                and self.score_range == other.score_range)
+                and self.score_range == other.score_range and self.kind == other.kind)
 
     def __hash__(self) -> int:
-        return hash((self.names, self.score_range))
+        return hash((self.names, self.score_range, self.kind))
 
     def __repr__(self) -> str:
         if self.is_regression:
             return f"LabelSpace.regression{self.score_range}"
+        if self.is_tagging:
+            return f"LabelSpace.tagging({self.names!r})"
         return f"LabelSpace({self.names!r})"
 
 
 def encoder_output_features(vocabulary: seqio.Vocabulary, labels: LabelSpace) -> dict[str, seqio.Feature]:
-    """The output features of an encoder task (`text_a`, `text_b`, `label`)."""
+    """The output features of an encoder task (`text_a`, `text_b`, `label`; a tagging
+    task's `label` is `[W]` int32 and it has `word_lengths` `[W]`)."""
     text = seqio.Feature(vocabulary=vocabulary, add_eos=False, dtype=tf.int32)
+    if labels.is_tagging:
+        return {"text_a": text, "text_b": text,
+                "word_lengths": seqio.Feature(vocabulary=seqio.PassThroughVocabulary(1),
+                                              add_eos=False, dtype=tf.int32),
+                "label": seqio.Feature(vocabulary=labels, add_eos=False, dtype=tf.int32)}
     return {"text_a": text, "text_b": text,
             "label": seqio.Feature(vocabulary=labels, add_eos=False, dtype=tf.float32, rank=0)}
 
@@ -238,3 +304,145 @@ def check_num_labels(task_names: Sequence[str], spaces: Sequence[LabelSpace],
                 f"{name!r} (task id {t}) a head of {head} label(s), but its labels are "
                 f"{space.describe()}: its head needs num_labels={space.num_labels}. For these "
                 f"tasks bind NUM_LABELS = {wanted}")
+
+
+def check_head_kinds(task_names: Sequence[str], spaces: Sequence[LabelSpace],
+                     head_kinds: str | Sequence[str]) -> None:
+    """Raises ValueError when a model head's kind (`head_kinds`, the gin HEAD_KINDS: one
+    of `HEAD_KINDS` for every task or one per task in task-id order) differs from what its
+    task's labels need ("tagging" for a `LabelSpace.tagging` task, else "sequence")."""
+    wanted = tuple(s.kind for s in spaces)
+    if isinstance(head_kinds, str):
+        kinds = (head_kinds,) * len(spaces)
+    elif isinstance(head_kinds, Sequence) and all(isinstance(k, str) for k in head_kinds):
+        kinds = tuple(head_kinds)
+    else:
+        kinds = ()
+    if not kinds or any(k not in HEAD_KINDS for k in kinds):
+        raise ValueError(f"pipeline.MultiTaskInput.head_kinds (HEAD_KINDS) = {head_kinds!r}; "
+                         f"accepted: one of {HEAD_KINDS} for every task, or one per task")
+    if len(kinds) != len(spaces):
+        raise ValueError(
+            f"pipeline.MultiTaskInput.head_kinds (HEAD_KINDS) = {head_kinds!r} has {len(kinds)} "
+            f"entries but the mixture has {len(spaces)} tasks {list(task_names)}; their labels "
+            f"need HEAD_KINDS = {wanted}")
+    for t, (name, space, kind) in enumerate(zip(task_names, spaces, kinds)):
+        if kind != space.kind:
+            raise ValueError(
+                f"pipeline.MultiTaskInput.head_kinds (HEAD_KINDS) = {head_kinds!r} gives task "
+                f"{name!r} (task id {t}) a {kind!r} head, but its labels are "
+                f"{space.describe()}: it needs a {space.kind!r} head. For these tasks bind "
+                f"HEAD_KINDS = {wanted}")
+
+
+def tokenize_words(dataset: tf.data.Dataset,
+                   output_features: Mapping[str, seqio.Feature]) -> tf.data.Dataset:
+    """A tagging task's rows `{"tokens": words joined by WORD_SEPARATOR, "tags": tag
+    indices joined by spaces}` -> `text_a` `[n]` (each word's pieces, the word tokenized
+    alone; a word with no piece -> `[UNK]`), `text_b` `[0]`, `word_lengths` `[W]` and
+    `label` `[W]` int32; other keys pass."""
+    vocabulary = output_features["text_a"].vocabulary
+
+    def encode(words):
+        pieces = vocabulary.encode_batch([w.decode("utf-8") for w in words]) if len(words) else []
+        pieces = [p if p else [vocabulary.unk_id] for p in pieces]
+        lengths = np.array([len(p) for p in pieces], np.int32)
+        values = np.fromiter((i for p in pieces for i in p), np.int32, int(lengths.sum()))
+        return values, lengths
+
+    def one(x):
+        words = tf.strings.split(x["tokens"], sep=WORD_SEPARATOR)
+        values, lengths = tf.numpy_function(encode, [words], (tf.int32, tf.int32), stateful=False)
+        values.set_shape([None])
+        lengths.set_shape([None])
+        out = {k: v for k, v in x.items() if k not in ("tokens", "tags")}
+        out.update(text_a=values, text_b=tf.zeros([0], tf.int32), word_lengths=lengths,
+                   label=tf.strings.to_number(tf.strings.split(x["tags"], " "), tf.int32))
+        return out
+
+    return dataset.map(one, num_parallel_calls=1)
+
+
+def convert_tagging(
+    pieces: Sequence[Sequence[int]],
+    word_lengths: Sequence[Sequence[int]],
+    tags: Sequence[Sequence[int]],
+    length: int,
+    *,
+    cls_id: int,
+    sep_id: int,
+    tag_names: Sequence[str],
+) -> dict[str, np.ndarray]:
+    """Token-tagging features `[N, length]` of sentences (see the module docstring).
+
+    Args:
+      pieces: each sentence's word pieces, its words' pieces one after the other.
+      word_lengths: each sentence's pieces per word (each >= 1; they sum to its pieces).
+      tags: each sentence's tag index per word (into `tag_names`, a BIO tag set).
+      length: the row length; `[CLS]` + the first `length - 2` pieces + `[SEP]`.
+
+    Returns `input_ids`, `token_type_ids` (0), `attention_mask`, `label` (0, unused),
+    `token_labels` (the word's tag on its first piece, else `IGNORE_LABEL`) and the
+    per-row truncation counts `words_cut`, `entities_cut`, `entity_crosses_cut`.
+    """
+    n = len(pieces)
+    if len(word_lengths) != n or len(tags) != n:
+        raise ValueError(f"convert_tagging: {n} piece lists, {len(word_lengths)} word_lengths "
+                         f"and {len(tags)} tag lists; expected one of each per sentence")
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 3:
+        raise ValueError(f"length={length!r}; accepted: an int >= 3 ([CLS] a piece [SEP])")
+    names = tagging.check_bio_labels(tag_names, owner="tag_names")
+    budget = length - 2
+    ids = np.zeros((n, length), np.int64)
+    mask = np.zeros((n, length), np.int64)
+    labels = np.full((n, length), IGNORE_LABEL, np.int64)
+    words_cut = np.zeros(n, np.int64)
+    entities_cut = np.zeros(n, np.int64)
+    crosses = np.zeros(n, np.int64)
+    for i, (p, wl, tg) in enumerate(zip(pieces, word_lengths, tags)):
+        p, wl, tg = (np.asarray(a, np.int64).reshape(-1) for a in (p, wl, tg))
+        if wl.size != tg.size or (wl < 1).any() or int(wl.sum()) != p.size:
+            raise ValueError(
+                f"convert_tagging: sentence {i} has {p.size} pieces, word_lengths {wl.tolist()} "
+                f"and {tg.size} tags; accepted: one tag and >= 1 piece per word, the lengths "
+                "summing to the pieces")
+        if tg.size and (tg.min() < 0 or tg.max() >= len(names)):
+            raise ValueError(f"convert_tagging: sentence {i} has tag index {int(tg.max())}; "
+                             f"accepted: 0..{len(names) - 1} ({list(names)})")
+        keep = min(p.size, budget)
+        starts = np.concatenate([[0], np.cumsum(wl)[:-1]]).astype(np.int64)
+        kept = int(np.sum(starts < keep))
+        row = [cls_id, *p[:keep], sep_id]
+        ids[i, :len(row)] = row
+        mask[i, :len(row)] = 1
+        labels[i, 1 + starts[:kept]] = tg[:kept]
+        if kept < wl.size:
+            words_cut[i] = wl.size - kept
+            spans = iob_to_spans([names[t] for t in tg])
+            cut = [s for s in spans if s[1] > kept]
+            entities_cut[i] = len(cut)
+            crosses[i] = int(any(s[0] < kept for s in cut))
+    return {"input_ids": ids, "token_type_ids": np.zeros_like(ids), "attention_mask": mask,
+            "label": np.zeros(n, np.float32), "token_labels": labels, "words_cut": words_cut,
+            "entities_cut": entities_cut, "entity_crosses_cut": crosses}
+
+
+def sequence_rows_for_tagging(features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A sequence task's rows with the `TAGGING_FEATURES` of a tagging mixture added
+    (`token_labels` all `IGNORE_LABEL`, counts 0), so the rows of every task stack."""
+    n, length = features["input_ids"].shape
+    return {**features, "token_labels": np.full((n, length), IGNORE_LABEL, np.int64),
+            **{k: np.zeros(n, np.int64) for k in TAGGING_FEATURES[1:]}}
+
+
+def log_truncation(features: Mapping[str, np.ndarray], *, source: str, length: int) -> None:
+    """Logs what truncation to `length` cut from a tagging task's rows (nothing if none)."""
+    cut = features["words_cut"] > 0
+    if not cut.any():
+        return
+    logging.warning(
+        "%s: %d of %d sentences are longer than %d pieces; %d words (and their tags) were cut "
+        "off and are neither trained on nor predicted; %d gold entities were not wholly kept "
+        "(%d of them partly) and count as missed (false negatives) in the entity scores",
+        source, int(cut.sum()), cut.size, length - 2, int(features["words_cut"].sum()),
+        int(features["entities_cut"].sum()), int(features["entity_crosses_cut"].sum()))

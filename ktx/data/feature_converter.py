@@ -247,18 +247,21 @@ def add_task_id(features: Mapping[str, np.ndarray], task_id: int,
 
 
 def compact(features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Stores each non-negative integer feature in the smallest unsigned dtype holding it
-    (floating features, e.g. an encoder task's `label`, stay float32)."""
+    """Stores each integer feature in the smallest dtype holding it: unsigned when it has
+    no negative value, else signed (floating features, e.g. an encoder task's `label`,
+    stay float32)."""
     out = {}
     for key, value in features.items():
         if np.issubdtype(value.dtype, np.floating):
             out[key] = value.astype(np.float32)
             continue
         top = int(value.max()) if value.size else 0
-        if value.size and int(value.min()) < 0:
-            raise ValueError(f"feature {key!r} has negative values; cannot be compacted")
-        for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
-            if top <= np.iinfo(dtype).max:
+        low = int(value.min()) if value.size else 0
+        # Negative values (a tagging task's ignored token labels, -100) need a signed dtype.
+        dtypes = (np.int8, np.int16, np.int32, np.int64) if low < 0 else (
+            np.uint8, np.uint16, np.uint32, np.uint64)
+        for dtype in dtypes:
+            if np.iinfo(dtype).min <= low and top <= np.iinfo(dtype).max:
                 out[key] = value.astype(dtype)
                 break
     return out

@@ -24,7 +24,12 @@ the `*_bert_v001` tasks of `ktx.tasks`) give `EncoderClassifierModel` rows inste
 `task_feature_lengths = {"inputs": L}` (the model's key) and the same layouts, mixing,
 carry and resume semantics; they are never packed. Their WordPiece vocabulary is
 `encoder_vocabulary` (the gin macro `ENCODER_VOCAB`), and `num_labels` (the model's
-`NUM_LABELS`) is checked against each task's labels. A mixture holds one kind of task.
+`NUM_LABELS`) and `head_kinds` (`HEAD_KINDS`) are checked against each task's labels. A
+mixture with a token-tagging task (`LabelSpace.tagging`) gives every row
+`ef.TAGGING_FEATURES` too (`token_labels` `[L]`, -100 where ignored; the truncation
+counts), sequence tasks' rows with nothing labelled there
+(`ef.convert_tagging`, `ef.sequence_rows_for_tagging`); what truncation cuts from a
+tagging task is logged. A mixture holds one kind of task (encoder or encoder-decoder).
 
 Task ids are indices in the mixture's registration order (sub-mixtures flattened in
 place, first occurrence wins), not the alphabetical order of `seqio.Mixture.tasks`.
@@ -186,6 +191,9 @@ class MultiTaskInput:
       num_labels: encoder tasks: the model's head sizes (one int for all, or one per task;
         gin binds the model's `NUM_LABELS`); each must match its task's labels (classes,
         or 1 for a regression), else ValueError. None: not checked.
+      head_kinds: encoder tasks: the model's head kinds (`ef.HEAD_KINDS`: "sequence" or
+        "tagging", one for all or one per task; gin binds the model's `HEAD_KINDS`); each
+        must match its task's `LabelSpace.kind`, else ValueError. None: not checked.
       seqio_cache_dir: with `use_cached`: the folder `ktx cache --cache_dir` wrote, added
         to SeqIO's global cache directories (`seqio.add_global_cache_dirs`); None: the
         tasks must be cached in those already set.
@@ -211,6 +219,7 @@ class MultiTaskInput:
         encoder_vocabulary: str | os.PathLike | None = None,
         num_labels: int | Sequence[int] | None = None,
         seqio_cache_dir: str | os.PathLike | None = None,
+        head_kinds: str | Sequence[str] | None = None,
     ):
         if seqio_cache_dir is not None and not use_cached:
             raise ValueError(f"seqio_cache_dir={seqio_cache_dir!r} is read only with use_cached=True")
@@ -265,6 +274,14 @@ class MultiTaskInput:
                                  f"{list(task_names)} are encoder-decoder tasks: leave it None")
             ef.check_num_labels(task_names, self.label_spaces, num_labels)
         self.num_labels = num_labels
+        if head_kinds is not None:
+            if self.kind != "encoder":
+                raise ValueError(f"head_kinds={head_kinds!r} applies to encoder tasks; "
+                                 f"{list(task_names)} are encoder-decoder tasks: leave it None")
+            ef.check_head_kinds(task_names, self.label_spaces, head_kinds)
+        self.head_kinds = head_kinds
+        # Every row of a mixture with a tagging task has the tagging features.
+        self.tagging = self.kind == "encoder" and any(s.is_tagging for s in self.label_spaces)
 
         self._train = [self._load(t, split, pack=self.pack) for t in range(self.num_tasks)]
         self._eval: dict[tuple[str, str], dict[str, np.ndarray]] = {}
@@ -485,6 +502,8 @@ class MultiTaskInput:
         if self.cache_dir is None:
             return None
         fields = [_CACHE_FORMAT, self.task_feature_lengths, pack, self.seed, self.use_cached]
+        if self.tagging:  # sequence rows get the tagging features too
+            fields.append("tagging")
         if self.kind == "encoder":  # the ids depend on the vocabulary
             vocabulary = seqio.get_mixture_or_task(task_name).output_features["text_a"].vocabulary
             fields.append(getattr(vocabulary, "cache_key", repr(vocabulary)))
@@ -550,12 +569,25 @@ class MultiTaskInput:
             sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
             seed=self.seed, num_epochs=1, trim_output_features=False,
         )
-        columns: dict[str, list] = {"text_a": [], "text_b": [], "label": []}
+        space = ef.label_space(seqio_task)
+        source = f"task {seqio_task.name!r} split {split!r}"
+        if space.is_tagging:
+            columns: dict[str, list] = {"text_a": [], "word_lengths": [], "label": []}
+            for example in ds.as_numpy_iterator():
+                for key, column in columns.items():
+                    column.append(example[key])
+            features = ef.convert_tagging(
+                columns["text_a"], columns["word_lengths"], columns["label"],
+                self.task_feature_lengths["inputs"], cls_id=cls_id, sep_id=sep_id,
+                tag_names=space.names)
+            ef.log_truncation(features, source=source, length=self.task_feature_lengths["inputs"])
+            return features
+        columns = {"text_a": [], "text_b": [], "label": []}
         for example in ds.as_numpy_iterator():
             for key, column in columns.items():
                 column.append(example[key])
-        ef.check_labels(np.asarray(columns["label"], np.float64), ef.label_space(seqio_task),
-                        source=f"task {seqio_task.name!r} split {split!r}")
-        return ef.convert_encoder(
+        ef.check_labels(np.asarray(columns["label"], np.float64), space, source=source)
+        features = ef.convert_encoder(
             columns["text_a"], columns["text_b"], columns["label"],
             self.task_feature_lengths["inputs"], cls_id=cls_id, sep_id=sep_id)
+        return ef.sequence_rows_for_tagging(features) if self.tagging else features
