@@ -138,6 +138,7 @@ class CaMtlEncoder(nn.Module):
     num_tasks: int = 1
     num_shared_layers: int = 0
     pooling: str = "cls"
+    pool: bool = True  # False: no pooler (a model with tagging heads only)
 
     def setup(self):
         c = self.config
@@ -207,28 +208,32 @@ class CaMtlEncoder(nn.Module):
         last = x if chain is None else chain
         if self.shared_layers is not None:
             last = self.shared_layers(last, mask, deterministic)
-        pooled = bert.pool_hidden(last, mask, self.pooler, self.pooling)
+        pooled = bert.pool_hidden(last, mask, self.pooler, self.pooling) if self.pool else None
         return CaMtlOutput(last, pooled, tuple(hidden))
 
 
 class CaMtlClassifier(CaMtlEncoder):
     """`CaMtlEncoder` plus one linear head per task (`encoder.TaskHeads`, scope
-    `task_heads`) on the dropped-out pooled output: a tuple of `T` float32 `[B, n_t]`."""
+    `task_heads`) on the dropped-out pooled output (tagging heads: on every token's last
+    hidden state): a tuple of `T` float32 `[B, n_t]` (`[B, L, n_t]`)."""
 
     num_labels: tuple[int, ...] = (2,)
     classifier_dropout: float = 0.1
+    head_kinds: tuple[str, ...] | None = None
 
     def setup(self):
         super().setup()
         self.head_dropout = nn.Dropout(self.classifier_dropout)
-        self.task_heads = encoder.TaskHeads(tuple(self.num_labels), self.config.activation_dtype)
+        self.task_heads = encoder.TaskHeads(tuple(self.num_labels), self.config.activation_dtype,
+                                            self.head_kinds)
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, task_id=None, *,
                  deterministic: bool = True, embedding_perturbation=None):
         out = super().__call__(input_ids, token_type_ids, attention_mask, task_id,
                                deterministic=deterministic,
                                embedding_perturbation=embedding_perturbation)
-        return self.task_heads(self.head_dropout(out.pooled_output, deterministic=deterministic))
+        return encoder.apply_task_heads(self.task_heads, self.head_dropout,
+                                        out.last_hidden_state, out.pooled_output, deterministic)
 
     def encode(self, input_ids, token_type_ids=None, attention_mask=None, task_id=None, *,
                deterministic: bool = True) -> CaMtlOutput:
@@ -301,14 +306,15 @@ class CaMtlClassifierModel(encoder.EncoderClassifierModel):
         self.module = CaMtlClassifier(
             config=self.config, camtl=camtl, num_tasks=self.num_tasks,
             num_shared_layers=self.shared_layers, num_labels=self.num_labels,
-            classifier_dropout=self.classifier_dropout, pooling=self.pooling)
+            classifier_dropout=self.classifier_dropout, pooling=self.pooling,
+            head_kinds=self.head_kinds, pool=encoder.SEQUENCE in self.head_kinds)
 
     def __repr__(self) -> str:
         return (f"CaMtlClassifierModel(config={self.config}, camtl={self.camtl}, "
                 f"num_labels={self.num_labels}, classifier_dropout={self.classifier_dropout}, "
                 f"loss_normalization={self.loss_normalization!r}, "
                 f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r}, "
-                f"pooling={self.pooling!r})")
+                f"pooling={self.pooling!r}, head_kinds={self.head_kinds})")
 
     def input_spec(self, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, jax.ShapeDtypeStruct]:
@@ -362,4 +368,4 @@ def ca_mtl_model(
     return CaMtlClassifierModel(
         base.config, camtl=camtl, frozen_layers=frozen_layers, num_labels=base.num_labels,
         classifier_dropout=base.classifier_dropout, loss_normalization=base.loss_normalization,
-        shared_layers=base.shared_layers, pooling=base.pooling)
+        shared_layers=base.shared_layers, pooling=base.pooling, head_kinds=base.head_kinds)

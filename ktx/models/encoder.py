@@ -16,6 +16,22 @@ the per-task row counts. Aux `[T]` sums: `loss`, `accuracy` (correct rows of
 classification tasks; 0 for regression), `squared_error` (regression tasks; 0 for
 classification), `weight`.
 
+Token tagging (`head_kinds[t] == "tagging"`, transformers' `BertForTokenClassification`):
+task `t`'s head is `dense_t(dropout(h))` on every token's final hidden state, logits
+`[B, L, n_t]`, and the batch has `token_labels` `[B, L]` int (`IGNORE_LABEL` = -100 on
+positions without a label: later word pieces, [CLS], [SEP], padding; see
+`ktx.data.encoder_features.convert_tagging`). With `M_b` the labelled (and attended)
+positions of row `b`, the row's loss is the mean token cross-entropy over them,
+
+    loss_b = 1/|M_b| Σ_{j in M_b} -log softmax(logits_t[b, j])[token_labels[b, j]],
+
+and, as for every head, the task's loss is the sum over its rows (normalised by rows:
+`loss_normalization`), so a sentence weighs as much as any other row of the mixture,
+whatever its length (transformers instead averages over the batch's labelled tokens). A
+tagging row with no labelled token has weight 0. Aux: `accuracy` is the row's share of
+correct labelled tokens; `token_correct` and `tokens` (`[T]` sums of correct and of
+labelled tokens; only when a head tags) give the token accuracy `token_correct / tokens`.
+
 Dropout is drawn per example (`ktx.models.base.row_keys`, a per-row vmap as
 `EncoderDecoderModel`), so task blocks and microbatches reproduce the whole batch's masks.
 
@@ -47,11 +63,31 @@ from ktx.partitioning import EMBED
 
 __all__ = ["TASK_HEADS_SCOPE", "TaskHeads", "BertClassifier", "EncoderClassifierModel",
            "frozen_layer_patterns", "stop_frozen_gradients", "normalised_entropy",
-           "row_normalised_entropy"]
+           "row_normalised_entropy", "SEQUENCE", "TAGGING", "HEAD_KINDS", "IGNORE_LABEL",
+           "check_head_kinds", "apply_task_heads"]
 
 TASK_HEADS_SCOPE = "task_heads"
 _FEATURES = ("input_ids", "token_type_ids", "attention_mask")
 _REQUIRED = ("input_ids", "label", "task_id")
+# Head kinds (the same names as `ktx.data.encoder_features`, which the tests check).
+SEQUENCE, TAGGING = "sequence", "tagging"
+HEAD_KINDS = (SEQUENCE, TAGGING)
+IGNORE_LABEL = -100  # `token_labels` of positions without a label (transformers' value)
+
+
+def check_head_kinds(owner: str, head_kinds: Any, num_tasks: int) -> tuple[str, ...]:
+    """`head_kinds` (None: every head "sequence"; one kind for all; or one per task) as a
+    tuple of `num_tasks` kinds; ValueError naming `owner.head_kinds` otherwise."""
+    if head_kinds is None:
+        return (SEQUENCE,) * num_tasks
+    kinds = (head_kinds,) * num_tasks if isinstance(head_kinds, str) else head_kinds
+    if isinstance(kinds, Sequence) and len(kinds) == num_tasks \
+            and all(isinstance(k, str) and k in HEAD_KINDS for k in kinds):
+        return tuple(kinds)
+    raise ValueError(
+        f"{owner}.head_kinds={head_kinds!r}; accepted: None or one of {HEAD_KINDS} (every "
+        f"task), or a sequence of {num_tasks} of them (one per task, as num_labels)")
+
 _ENTROPY_EPS = 1e-5  # the CA-MTL code's epsilon under the maximum entropy
 
 
@@ -81,42 +117,64 @@ def row_normalised_entropy(logits: Sequence[jax.Array], task_id: jax.Array) -> j
 
 
 class TaskHeads(nn.Module):
-    """One linear head per task: `[B, E]` -> a tuple of `[B, n_t]` float32 logits."""
+    """One linear head per task: a "sequence" head maps the pooled `[B, E]` to `[B, n_t]`,
+    a "tagging" head every token's `[B, L, E]` to `[B, L, n_t]` (float32 logits)."""
 
     num_labels: tuple[int, ...]
     dtype: Any = jnp.float32
+    head_kinds: tuple[str, ...] | None = None  # None: every head "sequence"
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+    def __call__(self, x: jax.Array | None, tokens: jax.Array | None = None
+                 ) -> tuple[jax.Array, ...]:
+        kinds = self.head_kinds or (SEQUENCE,) * len(self.num_labels)
         return tuple(
             jnp.asarray(bert.DenseGeneral((n,), (EMBED, None), (None,), dtype=self.dtype,
-                                          name=f"task_{t}")(x), jnp.float32)
-            for t, n in enumerate(self.num_labels)
+                                          name=f"task_{t}")(tokens if kind == TAGGING else x),
+                        jnp.float32)
+            for t, (n, kind) in enumerate(zip(self.num_labels, kinds))
         )
+
+
+def apply_task_heads(heads: TaskHeads, dropout: nn.Dropout, hidden: jax.Array,
+                     pooled: jax.Array | None, deterministic: bool) -> tuple[jax.Array, ...]:
+    """`heads` on the dropped-out pooled output (sequence heads) and the dropped-out last
+    hidden states `[B, L, E]` (tagging heads; only when one tags, so a model without
+    tagging heads draws the same dropout masks as before)."""
+    kinds = heads.head_kinds or ()
+    tokens = dropout(hidden, deterministic=deterministic) if TAGGING in kinds else None
+    if pooled is not None:
+        pooled = dropout(pooled, deterministic=deterministic)
+    return heads(pooled, tokens)
 
 
 class BertClassifier(bert.BertEncoder):
     """`BertEncoder` plus per-task heads on the dropped-out pooled output.
 
     `__call__(input_ids, token_type_ids, attention_mask, *, deterministic)` -> a tuple of
-    `T` float32 logits `[B, n_t]`. The backbone's parameters sit at the root, as in
+    `T` float32 logits `[B, n_t]` (`[B, L, n_t]` for a tagging head). The backbone's parameters sit at the root, as in
     `BertEncoder`, so a converted BERT checkpoint loads without renaming.
     """
 
     num_labels: tuple[int, ...] = (2,)
     classifier_dropout: float = 0.1
+    head_kinds: tuple[str, ...] | None = None  # None: every head "sequence"
 
     def setup(self):
         super().setup()
         self.head_dropout = nn.Dropout(self.classifier_dropout)
-        self.task_heads = TaskHeads(tuple(self.num_labels), self.config.activation_dtype)
+        self.task_heads = TaskHeads(tuple(self.num_labels), self.config.activation_dtype,
+                                    self.head_kinds)
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, *,
                  deterministic: bool = True, embedding_perturbation=None):
-        _, pooled = self.encode(input_ids, token_type_ids, attention_mask,
-                                deterministic=deterministic,
-                                embedding_perturbation=embedding_perturbation)
-        return self.task_heads(self.head_dropout(pooled, deterministic=deterministic))
+        # No sequence head: no pooler (transformers' BertForTokenClassification has none).
+        pool = SEQUENCE in (self.head_kinds or (SEQUENCE,))
+        hidden, pooled = self.encode(input_ids, token_type_ids, attention_mask,
+                                     deterministic=deterministic, pool=pool,
+                                     embedding_perturbation=embedding_perturbation)
+        return apply_task_heads(self.task_heads, self.head_dropout, hidden, pooled,
+                                deterministic)
 
 
 def frozen_layer_patterns(num_layers: int, frozen_layers: int | str = 0) -> tuple[str, ...]:
@@ -172,6 +230,10 @@ class EncoderClassifierModel(BaseModel):
       pooling: the heads' sentence vector (`bert.POOLINGS`): "cls" (BERT's pooler on
         [CLS], transformers' `BertForSequenceClassification`) or "mean" (the mean of the
         attended hidden states, no pooler; sentence-transformers' pooling).
+      head_kinds: each task's head (`HEAD_KINDS`): "sequence" (on the pooled output) or
+        "tagging" (on every token; `num_labels[t]` tags, the batch needs `token_labels`);
+        one kind for all tasks or one per task; None: every head "sequence". Without a
+        sequence head the model has no pooler.
     """
 
     def __init__(
@@ -185,6 +247,7 @@ class EncoderClassifierModel(BaseModel):
         shared_layers: int = 0,
         frozen_layers: int | str = 0,
         pooling: str = "cls",
+        head_kinds: str | Sequence[str] | None = None,
     ):
         config = bert.BertConfig() if config is None else config
         if not isinstance(config, bert.BertConfig):
@@ -229,27 +292,44 @@ class EncoderClassifierModel(BaseModel):
             raise ValueError(f"{type(self).__name__}.{e}") from e
         self.frozen_layers = frozen_layers
         self.pooling = bert.check_pooling(type(self).__name__, pooling)
+        self.head_kinds = check_head_kinds(type(self).__name__, head_kinds, self.num_tasks)
+        bad = [t for t, (k, n) in enumerate(zip(self.head_kinds, self.num_labels))
+               if k == TAGGING and n < 2]
+        if bad:
+            raise ValueError(
+                f"{type(self).__name__}: tasks {bad} have a tagging head of num_labels="
+                f"{[self.num_labels[t] for t in bad]}; a tagging head needs >= 2 tags (no "
+                "regression tagging)")
         self.module = BertClassifier(
             config=config, num_shared_layers=self.shared_layers, num_labels=self.num_labels,
-            classifier_dropout=self.classifier_dropout, pooling=self.pooling)
+            classifier_dropout=self.classifier_dropout, pooling=self.pooling,
+            head_kinds=self.head_kinds)
+
+    @property
+    def tagging(self) -> bool:
+        """True when some task has a tagging head (the batch then needs `token_labels`)."""
+        return TAGGING in self.head_kinds
 
     def __repr__(self) -> str:
         return (f"EncoderClassifierModel(config={self.config}, num_labels={self.num_labels}, "
                 f"classifier_dropout={self.classifier_dropout}, "
                 f"loss_normalization={self.loss_normalization!r}, "
                 f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r}, "
-                f"pooling={self.pooling!r})")
+                f"pooling={self.pooling!r}, head_kinds={self.head_kinds})")
 
     # ---------------------------------------------------------------- inputs
 
-    @staticmethod
-    def _check_batch(batch: Batch, required: tuple[str, ...] = _REQUIRED) -> None:
+    def _check_batch(self, batch: Batch, required: tuple[str, ...] | None = None) -> None:
+        if required is None:
+            required = _REQUIRED + (("token_labels",) if self.tagging else ())
         missing = [k for k in required if k not in batch]
         if missing:
+            tagging = (f"; with tagging heads (head_kinds={self.head_kinds}) also token_labels"
+                       if self.tagging else "")
             raise ValueError(
                 f"batch is missing features {missing}; it has {sorted(batch)}; an encoder "
                 f"classification batch needs {list(_REQUIRED)} (+ optional token_type_ids, "
-                "attention_mask)")
+                f"attention_mask){tagging}")
 
     def input_spec(
         self, batch_size: int, feature_lengths: Mapping[str, int]
@@ -268,11 +348,14 @@ class EncoderClassifierModel(BaseModel):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
         i32 = jnp.int32
-        return {
+        spec = {
             **{k: jax.ShapeDtypeStruct((batch_size, value), i32) for k in _FEATURES},
             "label": jax.ShapeDtypeStruct((batch_size,), jnp.float32),
             "task_id": jax.ShapeDtypeStruct((batch_size,), i32),
         }
+        if self.tagging:
+            spec["token_labels"] = jax.ShapeDtypeStruct((batch_size, value), i32)
+        return spec
 
     def init_variables(self, rng: jax.Array, batch: Batch) -> Any:
         """Variables (`{"params": ...}`, boxed with logical axes) for `batch`'s shapes."""
@@ -284,14 +367,21 @@ class EncoderClassifierModel(BaseModel):
     def logits(self, params: Any, batch: Batch, rng: jax.Array | None = None,
                train: bool = False, *,
                embedding_perturbation: jax.Array | None = None) -> tuple[jax.Array, ...]:
-        """`T` float32 logits `[B, n_t]` (every head on every row); `embedding_perturbation`
-        `[B, L, E]` is added to the embedding output (`ktx.models.smart`)."""
+        """`T` float32 logits `[B, n_t]` (`[B, L, n_t]` for a tagging head; every head on
+        every row); `embedding_perturbation` `[B, L, E]` is added to the embedding output
+        (`ktx.models.smart`)."""
         self._check_batch(batch, ("input_ids",))
         features = {k: jnp.asarray(batch[k], jnp.int32) for k in _FEATURES if k in batch}
         return self._apply(params, features, batch, rng, train, embedding_perturbation)
 
     def _apply(self, params, features, batch, rng, train, embedding_perturbation):
         """`self.module` on `features` (+ the perturbation), dropout keyed per row."""
+        if embedding_perturbation is not None and self.tagging:
+            raise ValueError(
+                f"{type(self).__name__}(head_kinds={self.head_kinds}): SMART "
+                "(ktx.models.smart.SmartModel, gin conditioning/smart.gin) compares [B, n] "
+                "predictions of sequence heads and does not support tagging heads; train "
+                "the tagging tasks without SMART")
         if embedding_perturbation is not None:
             features = dict(features, embedding_perturbation=embedding_perturbation)
         dropout = train and (self.config.dropout_rate > 0 or self.config.attention_dropout_rate > 0
@@ -313,14 +403,32 @@ class EncoderClassifierModel(BaseModel):
     def normalised_entropy(self, params: Any, batch: Batch) -> jax.Array:
         """`[B]` normalised entropy of each row's own head (deterministic forward, no
         gradient): MT-uncertainty sampling's score (`ktx.training.mt_uncertainty`)."""
+        if self.tagging:
+            raise ValueError(
+                f"{type(self).__name__}(head_kinds={self.head_kinds}): MT-uncertainty sampling "
+                "(runs/mt_uncertainty.gin, MT_UNCERTAINTY_ROWS) scores a row by the entropy "
+                "of a sequence head; it does not support tagging heads")
         return row_normalised_entropy(self.logits(params, batch), batch["task_id"])
 
-    def row_weights(self, batch: Batch) -> jax.Array:
-        """`[B]` 1 for a row with an attended token, 0 for an all-padding row."""
-        mask = bert.attention_mask_from(jnp.asarray(batch["input_ids"]),
+    def _attended(self, batch: Batch) -> jax.Array:
+        return bert.attention_mask_from(jnp.asarray(batch["input_ids"]),
                                         None if "attention_mask" not in batch
                                         else jnp.asarray(batch["attention_mask"]))
-        return mask.any(axis=-1).astype(jnp.float32)
+
+    def labelled_tokens(self, batch: Batch) -> jax.Array:
+        """`[B, L]` bool: attended positions with a token label (not `IGNORE_LABEL`)."""
+        labels = jnp.asarray(batch["token_labels"], jnp.int32)
+        return (labels >= 0) & self._attended(batch)
+
+    def row_weights(self, batch: Batch) -> jax.Array:
+        """`[B]` 1 for a row with an attended token, 0 for an all-padding row; a row of a
+        tagging task needs a labelled token."""
+        weight = self._attended(batch).any(axis=-1)
+        if self.tagging:
+            task_id = jnp.asarray(batch["task_id"], jnp.int32)
+            tags = jnp.asarray([k == TAGGING for k in self.head_kinds])[task_id]
+            weight = jnp.where(tags, self.labelled_tokens(batch).any(axis=-1), weight)
+        return weight.astype(jnp.float32)
 
     def task_weights(self, batch: Batch) -> jax.Array:
         """`[T]` number of (non-padding) rows of each task."""
@@ -337,7 +445,8 @@ class EncoderClassifierModel(BaseModel):
     def loss_sums_from_logits(
         self, logits: Sequence[jax.Array], batch: Batch
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """`loss_sums` given the `T` logits `[B, n_t]` of `batch` (`self.logits`)."""
+        """`loss_sums` given the `T` logits `[B, n_t]` (`[B, L, n_t]` tagging) of `batch`
+        (`self.logits`)."""
         self._check_batch(batch)
         label = jnp.asarray(batch["label"], jnp.float32)
         task_id = jnp.asarray(batch["task_id"], jnp.int32)
@@ -345,9 +454,25 @@ class EncoderClassifierModel(BaseModel):
         loss = jnp.zeros_like(label)
         correct = jnp.zeros_like(label)
         squared = jnp.zeros_like(label)
-        for t, (n, lg) in enumerate(zip(self.num_labels, logits)):
+        token_correct = jnp.zeros_like(label)
+        tokens = jnp.zeros_like(label)
+        if self.tagging:
+            labelled = self.labelled_tokens(batch)
+            count = labelled.sum(axis=-1).astype(jnp.float32)
+        for t, (n, kind, lg) in enumerate(zip(self.num_labels, self.head_kinds, logits)):
             mine = task_id == t
-            if n == 1:
+            if kind == TAGGING:
+                target = jnp.clip(jnp.asarray(batch["token_labels"], jnp.int32), 0, n - 1)
+                logp = jax.nn.log_softmax(lg, axis=-1)
+                ce = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+                hits = (jnp.argmax(lg, axis=-1) == target) & labelled
+                per = jnp.maximum(count, 1.0)
+                loss = jnp.where(mine, jnp.where(labelled, ce, 0.0).sum(axis=-1) / per, loss)
+                correct = jnp.where(mine, hits.sum(axis=-1) / per, correct)
+                token_correct = jnp.where(mine, hits.sum(axis=-1).astype(jnp.float32),
+                                          token_correct)
+                tokens = jnp.where(mine, count, tokens)
+            elif n == 1:
                 err = jnp.square(lg[:, 0] - label)
                 loss = jnp.where(mine, err, loss)
                 squared = jnp.where(mine, err, squared)
@@ -365,4 +490,7 @@ class EncoderClassifierModel(BaseModel):
         sums = by_task(loss)
         aux = {"loss": sums, "accuracy": by_task(correct), "squared_error": by_task(squared),
                "weight": by_task(jnp.ones_like(label))}
+        if self.tagging:
+            aux["token_correct"] = by_task(token_correct)
+            aux["tokens"] = by_task(tokens)
         return sums, aux

@@ -153,8 +153,9 @@ class ConditionedBertClassifier(nn.Module):
     `layer_hooks(index, x, mask, task_id, deterministic) -> LayerHooks`.
 
     `__call__(input_ids, token_type_ids, attention_mask, task_id, *, deterministic)` ->
-    a tuple of `T` float32 logits `[B, n_t]`; `encode(...)` -> (every layer's output,
-    a tuple of `[B, L, E]`, and the pooled output `[B, E]`).
+    a tuple of `T` float32 logits `[B, n_t]` (`[B, L, n_t]` for a tagging head, on every
+    token's last hidden state); `encode(...)` -> (every layer's output, a tuple of
+    `[B, L, E]`, and the pooled output `[B, E]`, None without a sequence head).
     """
 
     config: bert.BertConfig = bert.BertConfig()
@@ -163,6 +164,7 @@ class ConditionedBertClassifier(nn.Module):
     conditioning: nn.Module | None = None
     num_shared_layers: int = 0
     pooling: str = "cls"
+    head_kinds: tuple[str, ...] | None = None
 
     def setup(self):
         c = self.config
@@ -180,7 +182,7 @@ class ConditionedBertClassifier(nn.Module):
         ]
         self.pooler = bert.DenseGeneral((c.hidden_size,), (EMBED, MLP), (MLP,), dtype=dtype)
         self.head_dropout = nn.Dropout(self.classifier_dropout)
-        self.task_heads = encoder.TaskHeads(tuple(self.num_labels), dtype)
+        self.task_heads = encoder.TaskHeads(tuple(self.num_labels), dtype, self.head_kinds)
         self.shared_layers = (bert.SharedTopLayers(c, self.num_shared_layers)
                               if self.num_shared_layers else None)
 
@@ -188,6 +190,13 @@ class ConditionedBertClassifier(nn.Module):
                attention_mask: Array | None = None, task_id: Array | None = None, *,
                deterministic: bool = True,
                embedding_perturbation: Array | None = None) -> tuple[tuple[Array, ...], Array]:
+        outputs, _, pooled = self._forward(input_ids, token_type_ids, attention_mask, task_id,
+                                           deterministic, embedding_perturbation)
+        return outputs, pooled
+
+    def _forward(self, input_ids, token_type_ids, attention_mask, task_id, deterministic,
+                 embedding_perturbation):
+        """(every layer's output, the last hidden state after shared layers, pooled)."""
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(
                 f"input_ids: shape {input_ids.shape} dtype {input_ids.dtype}; accepted: int [B, L]")
@@ -215,15 +224,16 @@ class ConditionedBertClassifier(nn.Module):
             outputs.append(x)
         if self.shared_layers is not None:
             x = self.shared_layers(x, mask, deterministic)
-        pooled = bert.pool_hidden(x, mask, self.pooler, self.pooling)
-        return tuple(outputs), pooled
+        pool = encoder.SEQUENCE in (self.head_kinds or (encoder.SEQUENCE,))
+        pooled = bert.pool_hidden(x, mask, self.pooler, self.pooling) if pool else None
+        return tuple(outputs), x, pooled
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, task_id=None, *,
                  deterministic: bool = True, embedding_perturbation=None) -> tuple[Array, ...]:
-        _, pooled = self.encode(input_ids, token_type_ids, attention_mask, task_id,
-                                deterministic=deterministic,
-                                embedding_perturbation=embedding_perturbation)
-        return self.task_heads(self.head_dropout(pooled, deterministic=deterministic))
+        _, hidden, pooled = self._forward(input_ids, token_type_ids, attention_mask, task_id,
+                                          deterministic, embedding_perturbation)
+        return encoder.apply_task_heads(self.task_heads, self.head_dropout, hidden, pooled,
+                                        deterministic)
 
 
 class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
@@ -234,16 +244,18 @@ class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
     def __init__(self, config: bert.BertConfig | None = None, *,
                  num_labels: int | Sequence[int] = (2,), num_tasks: int | None = None,
                  classifier_dropout: float | None = None, loss_normalization: str = "global",
-                 shared_layers: int = 0, frozen_layers: int | str = 0, pooling: str = "cls"):
+                 shared_layers: int = 0, frozen_layers: int | str = 0, pooling: str = "cls",
+                 head_kinds: str | Sequence[str] | None = None):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
-                         frozen_layers=frozen_layers, pooling=pooling)
+                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds)
         bert.refuse_scan_layers(type(self).__name__, self.config)
         self.module = ConditionedBertClassifier(
             config=self.config, num_labels=self.num_labels,
             classifier_dropout=self.classifier_dropout, conditioning=self._conditioning(),
-            num_shared_layers=self.shared_layers, pooling=self.pooling)
+            num_shared_layers=self.shared_layers, pooling=self.pooling,
+            head_kinds=self.head_kinds)
 
     def _conditioning(self) -> nn.Module | None:
         return None
@@ -366,7 +378,8 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
                  classifier_dropout: float | None = None, loss_normalization: str = "global",
                  pals_size: int = 204, pals_heads: int = 6,
                  pal_layers: Sequence[int] | None = None, shared_layers: int = 0,
-                 frozen_layers: int | str = 0, pooling: str = "cls"):
+                 frozen_layers: int | str = 0, pooling: str = "cls",
+                 head_kinds: str | Sequence[str] | None = None):
         _check_int("PalsClassifierModel", "pals_size", pals_size)
         _check_int("PalsClassifierModel", "pals_heads", pals_heads)
         if pals_size % pals_heads:
@@ -377,7 +390,7 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
-                         frozen_layers=frozen_layers, pooling=pooling)
+                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds)
 
     def _conditioning(self) -> nn.Module:
         c = self.config
@@ -392,4 +405,4 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
                 f"loss_normalization={self.loss_normalization!r}, pals_size={self.pals_size}, "
                 f"pals_heads={self.pals_heads}, pal_layers={self.pal_layers}, "
                 f"shared_layers={self.shared_layers}, frozen_layers={self.frozen_layers!r}, "
-                f"pooling={self.pooling!r})")
+                f"pooling={self.pooling!r}, head_kinds={self.head_kinds})")

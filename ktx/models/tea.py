@@ -151,7 +151,8 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
                  classifier_dropout: float | None = None, loss_normalization: str = "global",
                  injection: str = "qkv", task_layers: Sequence[int] | None = None,
                  task_embedding_dim: int = 32, activation: str = "tanh",
-                 shared_layers: int = 0, frozen_layers: int | str = 0, pooling: str = "cls"):
+                 shared_layers: int = 0, frozen_layers: int | str = 0, pooling: str = "cls",
+                 head_kinds: str | Sequence[str] | None = None):
         if injection not in INJECTIONS:
             raise ValueError(f"TeaClassifierModel.injection={injection!r}; accepted: {INJECTIONS}")
         if injection == "input" and task_layers is not None:
@@ -170,7 +171,7 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
-                         frozen_layers=frozen_layers, pooling=pooling)
+                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds)
 
     def _conditioning(self) -> nn.Module:
         c = self.config
@@ -187,5 +188,5 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
                 f"task_layers={self.task_layers}, task_embedding_dim={self.task_embedding_dim}, "
                 f"activation={self.activation!r}, shared_layers={self.shared_layers}, "
                 f"frozen_layers={self.frozen_layers!r}, "
-                f"pooling={self.pooling!r})")
+                f"pooling={self.pooling!r}, head_kinds={self.head_kinds})")
 
