@@ -21,10 +21,19 @@ Tasks:
 `add_disease_infusion_task` registers the same over any files. The paper's extra loss term
 (beta / sum of the raw logits of the masked tokens) is a model option, not part of the data.
 Scored by disease / aspect exact match (case-insensitive).
+
+Encoder (BERT-family) tasks, masked-LM as the paper trains BERT (`ktx.data.mlm_features`:
+"What is the [MASK] of [MASK]?" [SEP] passage, the disease's pieces in the passage blanked;
+`ktx.models.encoder_mlm.EncoderMlmModel` with `infusion_beta`), over the LiveQA triples:
+- `biomed_disease_infusion_bert_v001`: disease and aspect masked (the paper's setting);
+- `biomed_disease_infusion_bert_{no_aspect,no_disease,no_auxiliary,random15}_v001`: the
+  ablations (aspect visible; disease visible; no auxiliary sentence; BERT's 15% random
+  masking). `add_disease_infusion_encoder_task` registers any setting over any files.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -36,6 +45,8 @@ import seqio
 
 from ktx.data import biomed_sources
 from ktx.data import files
+from ktx.data import mlm_features
+from ktx.data import wordpiece
 from ktx.tasks import biomed
 from ktx.tasks import config
 
@@ -47,6 +58,8 @@ __all__ = [
     "parse_infusion_output",
     "infusion_metrics",
     "add_disease_infusion_task",
+    "ENCODER_ABLATIONS",
+    "add_disease_infusion_encoder_task",
 ]
 
 _LIVEQA = "biomed/liveqa2017/TREC-2017-LiveQA-Medical-Train-{}.xml"
@@ -128,7 +141,9 @@ def infusion_metrics(
     }
 
 
-def _rows_fn(reader_name: str):
+def _rows_fn(reader_name: str, encoder: bool = False):
+    """Rows of a reader's triples: T5 `inputs`/`targets`, or (`encoder`) the encoder
+    tasks' `question` (the auxiliary sentence, unmasked) and `passage`."""
     reader = READERS[reader_name]
 
     def rows(path: pathlib.Path, counter: files.BadRowCounter) -> list[dict[str, Any]]:
@@ -139,20 +154,23 @@ def _rows_fn(reader_name: str):
             except ValueError as e:
                 counter.bad(triple.line, str(e))
                 continue
-            out.append({
-                "line": triple.line,
-                "disease": _squash(triple.disease),
-                "aspect": normalize_aspect(triple.aspect),
-                "inputs": inputs,
-                "targets": targets,
-            })
+            row = {"line": triple.line, "disease": _squash(triple.disease),
+                   "aspect": normalize_aspect(triple.aspect)}
+            if encoder:
+                row["question"] = f"What is the {row['aspect']} of {row['disease']}?"
+                row["passage"] = _squash(triple.passage)
+            else:
+                row.update(inputs=inputs, targets=targets)
+            out.append(row)
         return out
 
-    rows.__name__ = rows.__qualname__ = f"{reader_name}_infusion_rows"
+    kind = "infusion_encoder" if encoder else "infusion"
+    rows.__name__ = rows.__qualname__ = f"{reader_name}_{kind}_rows"
     return rows
 
 
 _ROWS = {name: _rows_fn(name) for name in READERS}
+_ENCODER_ROWS = {name: _rows_fn(name, encoder=True) for name in READERS}
 
 
 def add_disease_infusion_task(
@@ -197,5 +215,61 @@ def add_disease_infusion_task(
     )
 
 
+def add_disease_infusion_encoder_task(
+    name: str,
+    reader: str = "liveqa",
+    split_files: Mapping[str, Sequence[str | os.PathLike]] | None = None,
+    *,
+    mask: str = "disease_and_aspect",
+    auxiliary_sentence: bool = True,
+    blank_rate: float = 0.25,
+    blank_token: str = "[unused0]",
+    data_dir: str | os.PathLike | None = None,
+    on_bad_row: str | None = None,
+) -> seqio.Task:
+    """Registers a masked-LM disease-infusion task for encoders
+    (`ktx.data.mlm_features.infusion_pieces`: `mask`, `auxiliary_sentence`, `blank_rate`,
+    `blank_token`), tokenized with the run's WordPiece vocabulary
+    (`wordpiece.ENCODER_VOCABULARY`, the gin `ENCODER_VOCAB`). Trained by
+    `ktx.models.encoder_mlm.EncoderMlmModel`; scored by its masked-token accuracy."""
+    if reader not in READERS:
+        raise ValueError(f"reader={reader!r}; accepted: {sorted(READERS)}")
+    if mask not in mlm_features.INFUSION_MASKS:
+        raise ValueError(f"mask={mask!r}; accepted: {mlm_features.INFUSION_MASKS}")
+    if mask == "aspect" and not auxiliary_sentence:
+        raise ValueError("mask='aspect' needs auxiliary_sentence=True (the aspect is only in "
+                         "the auxiliary sentence)")
+    if isinstance(blank_rate, bool) or not isinstance(blank_rate, (int, float)) \
+            or not 0.0 <= blank_rate <= 1.0:
+        raise ValueError(f"blank_rate={blank_rate!r}; accepted: a probability in [0, 1]")
+    source = biomed.BiomedFilesSource(
+        split_files if split_files is not None else INFUSION_FILES[reader],
+        _ENCODER_ROWS[reader],
+        _HOW_TO_OBTAIN[reader],
+        data_dir=data_dir,
+        on_bad_row=on_bad_row,
+    )
+    return seqio.TaskRegistry.add(
+        name,
+        source=source,
+        preprocessors=[functools.partial(
+            mlm_features.infusion_preprocessor, mask=mask, auxiliary_sentence=auxiliary_sentence,
+            blank_rate=float(blank_rate), blank_token=blank_token)],
+        output_features=mlm_features.mlm_output_features(wordpiece.ENCODER_VOCABULARY),
+        metric_fns=[],
+    )
+
+
 add_disease_infusion_task("biomed_disease_infusion", "liveqa")
 add_disease_infusion_task("biomed_disease_infusion_jsonl", "jsonl")
+
+# The paper's setting and the dissertation's Table 2.6 ablations, for encoders.
+ENCODER_ABLATIONS = {
+    "biomed_disease_infusion_bert_v001": {},
+    "biomed_disease_infusion_bert_no_aspect_v001": {"mask": "disease"},
+    "biomed_disease_infusion_bert_no_disease_v001": {"mask": "aspect"},
+    "biomed_disease_infusion_bert_no_auxiliary_v001": {"auxiliary_sentence": False},
+    "biomed_disease_infusion_bert_random15_v001": {"mask": "random"},
+}
+for _name, _setting in ENCODER_ABLATIONS.items():
+    add_disease_infusion_encoder_task(_name, "liveqa", **_setting)

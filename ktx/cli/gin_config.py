@@ -350,7 +350,8 @@ def parse_gin(
 # Which family each model-building module belongs to, and the configurables whose
 # bindings say a gin file configured that family.
 _T5_MODULES = ("ktx.models.seq2seq", "ktx.conditioning.model")
-_ENCODER_MODULES = ("ktx.models.encoder", "ktx.models.camtl", "ktx.models.pals", "ktx.models.tea")
+_ENCODER_MODULES = ("ktx.models.encoder", "ktx.models.encoder_mlm", "ktx.models.camtl",
+                    "ktx.models.pals", "ktx.models.tea")
 _FAMILY_CONFIGURABLES = {
     "t5": ("ktx.models.t5.T5Config", "ktx.conditioning.model.ConditioningConfig",
            "ktx.conditioning.model.conditioned_model"),

@@ -51,6 +51,7 @@ PACKED_FEATURES = (
 OUTPUT_DTYPES = {name: np.int32 for name in ENC_DEC_FEATURES + PACKED_FEATURES + ("task_id",)}
 OUTPUT_DTYPES["decoder_loss_weights"] = np.float32
 OUTPUT_DTYPES["label"] = np.float32  # encoder features (`ktx.data.encoder_features`)
+OUTPUT_DTYPES["mlm_weights"] = np.float32  # masked-LM features (`ktx.data.mlm_features`)
 
 
 class TokenExamples(dict):

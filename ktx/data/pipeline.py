@@ -64,6 +64,7 @@ from ktx.data import encoder_features as ef
 from ktx.data import feature_converter as fc
 from ktx.data import files
 from ktx.data import mixing as mixing_lib
+from ktx.data import mlm_features
 from ktx.data import seqio_cache
 from ktx.data import wordpiece
 
@@ -71,7 +72,8 @@ __all__ = ["LAYOUTS", "TASK_KINDS", "MultiTaskInput", "mixture_task_names", "mix
            "task_kind", "encoder_num_labels"]
 
 LAYOUTS = ("task_partitioned", "sampled")
-TASK_KINDS = ("enc_dec", "encoder")
+TASK_KINDS = ("enc_dec", "encoder", "mlm")
+_KIND_NAMES = {"enc_dec": "encoder-decoder", "encoder": "encoder", "mlm": "masked-LM"}
 _CACHE_FORMAT = 1
 
 
@@ -119,17 +121,21 @@ def mixture_rates(mixture_or_task_name: str) -> np.ndarray:
 
 
 def task_kind(task_name: str) -> str:
-    """"encoder" for an encoder task (`ktx.data.encoder_features.is_encoder_task`),
-    "enc_dec" for an inputs/targets task; anything else raises naming its features."""
+    """"encoder" for an encoder task (`ktx.data.encoder_features.is_encoder_task`), "mlm"
+    for a masked-LM encoder task (`ktx.data.mlm_features.is_mlm_task`), "enc_dec" for an
+    inputs/targets task; anything else raises naming its features."""
     task = seqio.get_mixture_or_task(task_name)
     if ef.is_encoder_task(task):
         return "encoder"
+    if mlm_features.is_mlm_task(task):
+        return "mlm"
     if {"inputs", "targets"} <= set(task.output_features):
         return "enc_dec"
     raise ValueError(
         f"task {task_name!r} has output features {sorted(task.output_features)}; MultiTaskInput "
-        "converts encoder-decoder tasks (inputs, targets) and encoder tasks (text_a, text_b, "
-        "label: ktx.data.encoder_features)")
+        "converts encoder-decoder tasks (inputs, targets), encoder tasks (text_a, text_b, "
+        "label: ktx.data.encoder_features) and masked-LM tasks (text_a, text_b, mlm_a, mlm_b: "
+        "ktx.data.mlm_features)")
 
 
 def encoder_num_labels(mixture_or_task_name: str) -> tuple[int, ...]:
@@ -234,8 +240,8 @@ class MultiTaskInput:
         kinds = {name: task_kind(name) for name in task_names}
         if len(set(kinds.values())) > 1:
             raise ValueError(
-                f"mixture {mixture_or_task_name!r} mixes encoder and encoder-decoder tasks "
-                f"{kinds}; a MultiTaskInput feeds one model: use one kind")
+                f"mixture {mixture_or_task_name!r} mixes kinds of tasks {kinds} (encoder, "
+                "masked-LM, encoder-decoder); a MultiTaskInput feeds one model: use one kind")
         self.kind = next(iter(kinds.values()))
         lengths = dict(task_feature_lengths)
         keys = {"inputs", "targets"} if self.kind == "enc_dec" else {"inputs"}
@@ -245,7 +251,7 @@ class MultiTaskInput:
                 + ("encoder-decoder tasks: a dict with keys 'inputs' and 'targets'"
                    if self.kind == "enc_dec" else
                    f"the encoder tasks {list(task_names)}: {{'inputs': L}} (the sequence length)"))
-        if self.kind == "encoder" and pack:
+        if self.kind != "enc_dec" and pack:
             raise ValueError(f"pack=True: encoder tasks {list(task_names)} are not packed "
                              "(one example per row); set pack=False")
         for key, value in lengths.items():
@@ -271,13 +277,13 @@ class MultiTaskInput:
         if num_labels is not None:
             if self.kind != "encoder":
                 raise ValueError(f"num_labels={num_labels!r} applies to encoder tasks; "
-                                 f"{list(task_names)} are encoder-decoder tasks: leave it None")
+                                 f"{list(task_names)} are {_KIND_NAMES[self.kind]} tasks: leave it None")
             ef.check_num_labels(task_names, self.label_spaces, num_labels)
         self.num_labels = num_labels
         if head_kinds is not None:
             if self.kind != "encoder":
                 raise ValueError(f"head_kinds={head_kinds!r} applies to encoder tasks; "
-                                 f"{list(task_names)} are encoder-decoder tasks: leave it None")
+                                 f"{list(task_names)} are {_KIND_NAMES[self.kind]} tasks: leave it None")
             ef.check_head_kinds(task_names, self.label_spaces, head_kinds)
         self.head_kinds = head_kinds
         # Every row of a mixture with a tagging task has the tagging features.
@@ -504,7 +510,7 @@ class MultiTaskInput:
         fields = [_CACHE_FORMAT, self.task_feature_lengths, pack, self.seed, self.use_cached]
         if self.tagging:  # sequence rows get the tagging features too
             fields.append("tagging")
-        if self.kind == "encoder":  # the ids depend on the vocabulary
+        if self.kind != "enc_dec":  # the ids depend on the vocabulary
             vocabulary = seqio.get_mixture_or_task(task_name).output_features["text_a"].vocabulary
             fields.append(getattr(vocabulary, "cache_key", repr(vocabulary)))
         key = json.dumps(fields, sort_keys=True)
@@ -530,6 +536,8 @@ class MultiTaskInput:
             raise ValueError(f"task {name!r} has no split {split!r}; splits: {tuple(seqio_task.splits)}")
         if self.kind == "encoder":
             arrays = fc.compact(self._convert_encoder(seqio_task, split))
+        elif self.kind == "mlm":
+            arrays = fc.compact(self._convert_mlm(seqio_task, split))
         else:
             arrays = fc.compact(self._convert_enc_dec(seqio_task, split, pack))
         if path is not None:
@@ -559,6 +567,21 @@ class MultiTaskInput:
         return fc.convert_enc_dec(
             tokens, self.task_feature_lengths["inputs"], self.task_feature_lengths["targets"], pack=pack
         )
+
+    def _convert_mlm(self, seqio_task: seqio.Task, split: str) -> dict[str, np.ndarray]:
+        vocabulary = seqio_task.output_features["text_a"].vocabulary
+        cls_id, sep_id = vocabulary.cls_id, vocabulary.sep_id  # a bad file raises here
+        ds = seqio_task.get_dataset(
+            sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
+            seed=self.seed, num_epochs=1, trim_output_features=False,
+        )
+        columns: dict[str, list] = {k: [] for k in mlm_features.MLM_TEXT_FEATURES}
+        for example in ds.as_numpy_iterator():
+            for key, column in columns.items():
+                column.append(example[key])
+        return mlm_features.convert_mlm(*(columns[k] for k in mlm_features.MLM_TEXT_FEATURES),
+                                        self.task_feature_lengths["inputs"], cls_id=cls_id,
+                                        sep_id=sep_id)
 
     def _convert_encoder(self, seqio_task: seqio.Task, split: str) -> dict[str, np.ndarray]:
         # Read the vocabulary here, so that a bad file raises its own error, not a

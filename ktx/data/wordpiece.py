@@ -211,6 +211,16 @@ class WordPieceVocabulary(seqio.Vocabulary):
     def unk_id(self) -> int:
         return self._ids["[UNK]"]
 
+    def token_id(self, token: str) -> int:
+        """The id of `token` (e.g. "[MASK]", "[unused0]"); DataFileError naming the file
+        when the vocabulary lacks it."""
+        value = self._tokenizer.token_to_id(token)
+        if value is None:
+            raise files.DataFileError(
+                f"vocabulary {str(self._file)!r} has no token {token!r}; a BERT vocabulary has "
+                f"{list(_SPECIAL)}, [MASK] and [unused0] ... [unused98] or more")
+        return int(value)
+
     @property
     def _base_vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)

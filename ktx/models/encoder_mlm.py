@@ -19,8 +19,13 @@ masked-position counts, so with `loss_normalization="global"` the objective is t
 token cross-entropy of transformers' MLM loss plus, averaged over positions, each row's
 `β / S_b`: the paper's term that raises the raw logits of the masked disease and aspect
 tokens (section 3.3: with a 30k-way softmax the probabilities alone are tiny), β = 10 in
-the paper. It is `ktx.models.seq2seq.infusion_term`, the same term the T5 side uses;
-`S_b = 0` (no masked position) adds nothing. The authors' script computes it once per
+the paper. It is `ktx.models.seq2seq.infusion_term`, the term the T5 side uses, with
+`positive_only`: a row with `S_b <= 0` adds nothing. A pretrained MLM head gives the
+targets positive logits, where this is the paper's term; a fresh head (all-MiniLM-L6-v2
+ships none) starts with sums near 0 of either sign, where `β / S_b` has its pole and, below
+it, would reward driving `S_b` towards 0 from below without bound (a 4-step run from a
+random tiny BERT reached a loss of −88 that way); there the cross-entropy alone raises the
+target logits until `S_b > 0`. The authors' script computes it once per
 batch, `10 · B / (1 + Σ_b Σ_{disease positions} z)`, over the disease positions only;
 that batch-level form couples the rows of a batch, which the per-task gradients
 (`ktx.optim`) cannot decompose, so ktx keeps the per-row form of the paper (docs/encoders.md,
@@ -170,7 +175,8 @@ class EncoderMlmModel(BaseModel):
         aux = {"loss": mlm, "accuracy": by_task(hit), "weight": by_task(weights)}
         sums = mlm
         if self.infusion_beta != 0.0:
-            inf = by_task(infusion_term(logits, targets, weights, self.infusion_beta))
+            inf = by_task(infusion_term(logits, targets, weights, self.infusion_beta,
+                                        positive_only=True))
             aux["infusion"] = inf
             sums = mlm + inf
         return sums, aux

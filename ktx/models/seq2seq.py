@@ -91,19 +91,23 @@ def weighted_cross_entropy(
 
 
 def infusion_term(
-    logits: jax.Array, targets: jax.Array, weights: jax.Array, beta: float
+    logits: jax.Array, targets: jax.Array, weights: jax.Array, beta: float, *,
+    positive_only: bool = False,
 ) -> jax.Array:
     """Per-token knowledge-infusion loss `[B, L]` (He et al., 2020), weighted.
 
     `beta / S_b` on every weighted token of example `b`, `S_b` = sum over target tokens
-    with weight > 0 of the raw logit of the target token; 0 where `S_b == 0`.
+    with weight > 0 of the raw logit of the target token; 0 where `S_b == 0`
+    (`positive_only`: 0 where `S_b <= 0`, the side of the pole where the term would
+    reward pushing `S_b` towards 0 from below without bound).
     """
     logits = jnp.asarray(logits, jnp.float32)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     mask = (jnp.asarray(weights) > 0).astype(jnp.float32)
     total = (target_logits * mask).sum(axis=-1)  # [B]
-    safe = jnp.where(total == 0, 1.0, total)
-    per_example = jnp.where(total == 0, 0.0, beta / safe)
+    off = total <= 0 if positive_only else total == 0
+    safe = jnp.where(off, 1.0, total)
+    per_example = jnp.where(off, 0.0, beta / safe)
     return per_example[:, None] * jnp.asarray(weights, jnp.float32)
 
 
