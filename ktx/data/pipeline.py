@@ -467,6 +467,8 @@ class MultiTaskInput:
     def eval_arrays(self, task_name: str, split: str = "validation") -> dict[str, np.ndarray]:
         """All converted (unpacked, compact) rows of one task's split, with `task_id`."""
         key = (task_name, split)
+        if split == self.split and not self.pack:  # the rows already read for batches
+            return self._train[self.task_id(task_name)]
         if key not in self._eval:
             self._eval[key] = self._load(self.task_id(task_name), split, pack=False)
         return self._eval[key]

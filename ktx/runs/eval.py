@@ -397,12 +397,17 @@ def evaluate(
     num_beams: int = 4,
     alpha: float = 0.6,
     output_dir: str | os.PathLike | None = None,
+    evaluators: Sequence[Evaluator] | None = None,
 ) -> EvalSummary:
     """Decodes and scores every selected checkpoint of `model_dir` offline.
 
     Args:
       checkpoint_steps: "all", "latest", a step, or a list of steps.
       output_dir: where metrics.jsonl and events go (default `<model_dir>/eval`).
+      evaluators: `Evaluator`s to run on each checkpoint instead of SeqIO decoding (an
+        encoder model has nothing to decode: e.g. `ktx.runs.tag_eval.TaggingEvaluator`,
+        `TeacherForcedEvaluator`, each with its own input; gin `runs/encoder_eval.gin`);
+        None: a `DecodeEvaluator` of the mixture's tasks.
     """
     from ktx.data.pipeline import mixture_task_names
 
@@ -416,15 +421,23 @@ def evaluate(
     mesh = partitioning.create_mesh(num_partitions)
     trainer = Trainer(model, optax.identity(), mesh=mesh)
     abstract = abstract_params_for(model, trainer, batch_size, task_feature_lengths)
-    decoder = DecodeEvaluator(
-        task_names, task_feature_lengths, split=split, batch_size=batch_size,
-        num_examples=num_examples, decode_method=decode_method, num_beams=num_beams, alpha=alpha,
-    )
+    if evaluators is None:
+        evaluators = [DecodeEvaluator(
+            task_names, task_feature_lengths, split=split, batch_size=batch_size,
+            num_examples=num_examples, decode_method=decode_method, num_beams=num_beams,
+            alpha=alpha)]
+    elif not evaluators:
+        raise ValueError("evaluate(evaluators=[]): give at least one Evaluator, or None "
+                         "(SeqIO decoding)")
     writer = MetricsWriter(output_dir or RunDir(model_dir).eval)
     summary = EvalSummary(metrics={}, scores={})
     try:
         for step, params in restore_params_skipping_corrupt(model_dir, steps, abstract):
-            results = decoder(trainer=trainer, params=params, step=step, writer=writer)
+            results: dict[str, dict[str, float]] = {}
+            for evaluator in evaluators:
+                for task, values in evaluator(trainer=trainer, params=params, step=step,
+                                              writer=writer).items():
+                    results.setdefault(task, {}).update(values)
             summary.metrics[step] = results
             summary.scores[step] = {
                 t: next(iter(m.values())) for t, m in results.items() if m
