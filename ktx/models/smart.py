@@ -146,13 +146,13 @@ def momentum_schedule(values: Sequence[float] = (0.99, 0.999),
     (switch_step,))`."""
     values, boundaries = tuple(values), tuple(boundaries)
     if len(values) != len(boundaries) + 1:
-        raise ValueError(f"momentum_schedule(values={values!r}, boundaries={boundaries!r}): "
+        raise ValueError(f"smart.momentum_schedule(values={values!r}, boundaries={boundaries!r}): "
                          "needs one more value than boundaries")
     for v in values:
-        _check_momentum("momentum_schedule.values", v)
+        _check_momentum("smart.momentum_schedule.values", v)
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in boundaries) or \
             list(boundaries) != sorted(boundaries):
-        raise ValueError(f"momentum_schedule.boundaries={boundaries!r}: accepted: increasing "
+        raise ValueError(f"smart.momentum_schedule.boundaries={boundaries!r}: accepted: increasing "
                          "ints >= 0 (steps)")
 
     def schedule(step):
@@ -165,7 +165,7 @@ def momentum_schedule(values: Sequence[float] = (0.99, 0.999),
 
 def _check_momentum(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"SmartModel.{name}={value!r}: accepted: a number in [0, 1] (the "
+        raise ValueError(f"{name}={value!r}: accepted: a number in [0, 1] (the "
                          "paper: 0.99, then 0.999), or a schedule step -> β (momentum_schedule)")
     return float(value)
 
@@ -234,7 +234,7 @@ class SmartModel(BaseModel):
         self.ascent_steps = ascent_steps
         self.proximal_weight = _check_number("proximal_weight", proximal_weight)
         self.teacher_momentum = teacher_momentum if callable(teacher_momentum) else \
-            _check_momentum("teacher_momentum", teacher_momentum)
+            _check_momentum("SmartModel.teacher_momentum", teacher_momentum)
         self.num_tasks = base.num_tasks
         self.num_labels = base.num_labels
         self.loss_normalization = base.loss_normalization
