@@ -155,12 +155,11 @@ class LabelSpace(seqio.PassThroughVocabulary):
 
 def encoder_output_features(vocabulary: seqio.Vocabulary, labels: LabelSpace) -> dict[str, seqio.Feature]:
     """The output features of an encoder task (`text_a`, `text_b`, `label`; a tagging
-    task's `label` is `[W]` int32 and it has `word_lengths` `[W]`)."""
+    task's `label` is `[W]` int32, and its examples also hold `word_lengths` `[W]`)."""
     text = seqio.Feature(vocabulary=vocabulary, add_eos=False, dtype=tf.int32)
-    if labels.is_tagging:
+    if labels.is_tagging:  # `word_lengths` rides along undeclared: SeqIO mixtures need
+        # the same feature names in every task, so a tagging task mixes with sequence tasks
         return {"text_a": text, "text_b": text,
-                "word_lengths": seqio.Feature(vocabulary=seqio.PassThroughVocabulary(1),
-                                              add_eos=False, dtype=tf.int32),
                 "label": seqio.Feature(vocabulary=labels, add_eos=False, dtype=tf.int32)}
     return {"text_a": text, "text_b": text,
             "label": seqio.Feature(vocabulary=labels, add_eos=False, dtype=tf.float32, rank=0)}
