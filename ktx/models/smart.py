@@ -77,6 +77,7 @@ from ktx.models.base import BaseModel, Batch, row_keys, segment_sum_by_task
 __all__ = [
     "PROJECTIONS",
     "SmartModel",
+    "full_teacher",
     "initial_noise",
     "momentum_schedule",
     "proximal_sums",
@@ -173,9 +174,11 @@ def _check_momentum(name: str, value: Any) -> float:
 def proximal_sums(base: encoder.EncoderClassifierModel, params: Any, teacher: Any,
                   batch: Batch, rng: Array | None = None, train: bool = False) -> Array:
     """`[T]` sums over each task's rows of the Bregman divergence `ℓ_s(f(x; θ), f(x; θ̃))`
-    (eq. 2), the teacher's prediction held fixed (its parameters get no gradient)."""
+    (eq. 2), the teacher's prediction held fixed (its parameters get no gradient); None
+    leaves of `teacher` are read from `params` (`full_teacher`). `SmartModel` computes the
+    same inside its loss, reusing the student's forward of the adversarial term."""
     student = base.logits(params, batch, rng, train)
-    fixed = base.logits(jax.lax.stop_gradient(teacher), batch, rng, train)
+    fixed = base.logits(jax.lax.stop_gradient(full_teacher(teacher, params)), batch, rng, train)
     d = row_divergence(base.num_labels, student, fixed, batch["task_id"])
     return segment_sum_by_task(d * base.row_weights(batch), batch["task_id"], base.num_tasks)
 
@@ -202,7 +205,6 @@ class SmartModel(BaseModel):
       ascent_steps: T_x̃, the number of projected ascent steps (the paper: 1).
       projection: "paper" (normalised gradient step, clip to the ε-ball) or "code" (the
         authors' code: raw gradient step, unit ∞-norm per token; see the module docstring).
-
       proximal_weight: μ of the Bregman proximal point term `μ ℓ_s(f(x; θ), f(x; θ̃))`
         (0: no term and no teacher: the model carries no state).
       teacher_momentum: β of the momentum teacher `θ̃ ← (1 − β) θ + β θ̃`: a number in
