@@ -603,3 +603,22 @@ def test_gin_binds_mu_and_the_papers_momentum_schedule(tmp_path):
     off = build(["models/bert_tiny.gin", "conditioning/smart.gin"],
                 [("SMART_PROXIMAL_WEIGHT", "0.0")])
     assert off.proximal_weight == 0.0 and off.init_model_state({"w": jnp.ones(2)}) is None
+
+
+def test_multi_step_scan_carries_the_teacher():
+    """`Trainer.train_steps` (K steps in one `lax.scan`) carries the teacher as K
+    `train_step` calls do."""
+    def make():
+        return trainer_lib.Trainer(_smart(_model("plain"), proximal_weight=1.0,
+                                          teacher_momentum=0.5), optax.sgd(0.5))
+
+    one_by_one, losses, _, _ = _steps(make(), 2)
+    tr = make()
+    state = tr.init_state(jax.random.key(0), _batch())
+    stacked = {k: np.stack([np.asarray(v)] * 2) for k, v in _batch().items()}
+    state, metrics = tr.train_steps(state, stacked, jax.random.key(1), task_counts=(4, 4))
+    np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-5)
+    assert float(metrics["aux"]["smart_proximal"][1].sum()) > 0
+    for a, b in ((state.params, one_by_one.params), (state.model_state, one_by_one.model_state)):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
+                     jax.device_get(a), jax.device_get(b))
