@@ -84,7 +84,14 @@ class TrainMetrics:
     def add(self, step: int, metrics: Mapping[str, Any], input_seconds: float = 0.0) -> None:
         """Step `step`'s device metrics (not fetched yet) and the time spent waiting for
         its batch."""
-        self.pending.append((step, metrics))
+        self.pending.append((step, metrics, None))
+        self.input_seconds += input_seconds
+
+    def add_stacked(self, first_step: int, steps: int, metrics: Mapping[str, Any],
+                    input_seconds: float = 0.0) -> None:
+        """The device metrics of steps `first_step .. first_step + steps - 1`, stacked
+        `[steps, ...]` (`Trainer.train_steps`); written as `steps` single steps."""
+        self.pending.append((first_step, metrics, steps))
         self.input_seconds += input_seconds
 
     def due(self, done: int) -> bool:
@@ -96,8 +103,15 @@ class TrainMetrics:
         written `{task: {metric: value}}` (None when nothing was pending)."""
         if not self.pending:
             return None
-        fetched = jax.device_get([m for _, m in self.pending])
-        for (s, _), m in zip(self.pending, fetched):
+        fetched, steps = [], []
+        for (first, _, n), m in zip(self.pending, jax.device_get([m for _, m, _ in self.pending])):
+            if n is None:
+                fetched.append(m)
+                steps.append(first)
+            else:  # a stacked block: one dict per step
+                fetched += [jax.tree.map(lambda x, i=i: x[i], m) for i in range(n)]
+                steps += range(first, first + n)
+        for s, m in zip(steps, fetched):
             loss = float(m["loss"])
             if not math.isfinite(loss):
                 good = "none" if self.last_good is None else f"step {self.last_good}"

@@ -87,24 +87,43 @@ class Prefetcher:
     the step, so prefetching changes nothing in what a step sees.
 
     Iterating yields `(step, global_batch, task_counts, wait_seconds)`, where
-    `wait_seconds` is the time the loop blocked waiting for that batch.
+    `wait_seconds` is the time the loop blocked waiting for that batch. With a `plan`
+    (block lengths summing to `stop - start`, `steps_per_call`), an item of length
+    `n > 1` holds the `n` batches of steps `step .. step + n - 1` stacked `[n, B, ...]`
+    with their `n` count tuples (`Trainer.train_steps`).
     """
 
-    def __init__(self, train_input: Any, trainer: Trainer, start: int, stop: int, depth: int = 2):
+    def __init__(self, train_input: Any, trainer: Trainer, start: int, stop: int, depth: int = 2,
+                 plan: Sequence[int] | None = None):
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"prefetch depth={depth!r}; accepted: an integer >= 1")
+        plan = [1] * (stop - start) if plan is None else [int(n) for n in plan]
+        if sum(plan) != stop - start or any(n < 1 for n in plan):
+            raise ValueError(f"plan={plan!r} must be positive block lengths summing to "
+                             f"{stop - start} (steps {start}..{stop - 1})")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._n = stop - start
+        self._n = len(plan)
+
+        def block(step, n):
+            if n == 1:
+                counts = train_input.task_counts(step)
+                return trainer.global_batch(train_input.get_batch(step), counts), counts
+            batches = [train_input.get_batch(s) for s in range(step, step + n)]
+            counts = [train_input.task_counts(s) for s in range(step, step + n)]
+            counts = None if any(c is None for c in counts) else counts
+            stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+            return trainer.global_batch(stacked, counts, batch_axis=1), counts
 
         def produce():
             try:
-                for step in range(start, stop):
+                step = start
+                for n in plan:
                     if self._stop.is_set():
                         return
-                    counts = train_input.task_counts(step)
-                    batch = trainer.global_batch(train_input.get_batch(step), counts)
+                    batch, counts = block(step, n)
                     item = (step, batch, counts, None)
+                    step += n
                     while not self._stop.is_set():
                         try:
                             self._queue.put(item, timeout=0.1)
@@ -163,6 +182,7 @@ def train(
     prefetch_depth: int = 2,
     mt_uncertainty_rows: int = 0,
     mt_uncertainty_proxies: Mapping[str, str] | None = None,
+    steps_per_call: int = 1,
 ) -> TrainState:
     """Trains `model` on `train_input` for `train_steps` steps (total, resumed runs
     included) and returns the final state.
@@ -209,8 +229,18 @@ def train(
         each input batch holds candidates and the step trains on this many of them (0:
         off). `mt_uncertainty_proxies` `{regression task: classification task}` names
         whose entropies each regression task's rows borrow.
+      steps_per_call: run up to this many steps in one compiled call (`Trainer.train_steps`,
+        a `lax.scan` over `[K, B, ...]` blocks of batches), so the host neither dispatches
+        nor waits per step: small models whose step is shorter than Python's per-step
+        overhead (the recommendation model) train at the scanned loop's speed. A block
+        ends at every log, checkpoint and evaluation step, so those happen at the same
+        steps and a run's losses, checkpoints and resume are those of `steps_per_call=1`
+        (each distinct block length compiles once).
     """
     check_train_input(train_input)
+    if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int) \
+            or steps_per_call < 1:
+        raise ValueError(f"steps_per_call={steps_per_call!r}; accepted: an integer >= 1")
     train_steps = _resolve_train_steps(train_input, train_steps, train_epochs)
     checkpoint_period = _resolve_period("checkpoint_period", checkpoint_period, train_input)
     eval_period = _resolve_period("eval_period", eval_period, train_input)
@@ -277,11 +307,18 @@ def train(
     try:
         if evaluation.resume(trainer, state.params, run.root, start):
             return state
-        prefetcher = Prefetcher(train_input, trainer, start, train_steps, depth=prefetch_depth)
-        for step, batch, counts, wait in prefetcher:
-            state, step_metrics = trainer.train_step(state, batch, dropout_rng, counts)
-            metrics.add(step, step_metrics, wait)
-            done = step + 1
+        plan = _block_plan(start, train_steps, steps_per_call, lambda done: (
+            metrics.due(done) or checkpointing.due(done) or evaluation.due(done)))
+        prefetcher = Prefetcher(train_input, trainer, start, train_steps, depth=prefetch_depth,
+                                plan=plan)
+        for (step, batch, counts, wait), n in zip(prefetcher, plan):
+            if n == 1:
+                state, step_metrics = trainer.train_step(state, batch, dropout_rng, counts)
+                metrics.add(step, step_metrics, wait)
+            else:
+                state, step_metrics = trainer.train_steps(state, batch, dropout_rng, counts)
+                metrics.add_stacked(step, n, step_metrics, wait)
+            done = step + n
             if metrics.due(done):
                 metrics.flush(done)
             if checkpointing.due(done):
@@ -320,6 +357,21 @@ def _restore_or_init(trainer: Trainer, run: RunDir, first_batch, seed: int,
     print(report.summary(), flush=True)
     # Optimizer state and the model's state (SMART's teacher = these parameters) of step 0.
     return trainer.init_rest_of_state(params), 0
+
+
+def _block_plan(start: int, stop: int, steps_per_call: int,
+                due: Callable[[int], bool]) -> list[int]:
+    """Lengths of the blocks of steps `start .. stop - 1` run per call: at most
+    `steps_per_call`, each ending at the first step after which `due(done)` (a log,
+    checkpoint or evaluation step) or at `stop`."""
+    plan, step = [], start
+    while step < stop:
+        n = 1
+        while n < steps_per_call and step + n < stop and not due(step + n):
+            n += 1
+        plan.append(n)
+        step += n
+    return plan
 
 
 def _resolve_train_steps(train_input: Any, train_steps: Any, train_epochs: Any) -> int:

@@ -282,6 +282,20 @@ def train_step(
     return new_state, metrics
 
 
+def per_step_counts(task_counts: Any, steps: int | None = None) -> list[tuple[int, ...]]:
+    """`task_counts` as one count tuple per batch: a sequence of tuples stays as it is
+    (`steps` of them when given), a single tuple is repeated `steps` times (once without
+    `steps`)."""
+    first = task_counts[0] if len(task_counts) else None
+    if isinstance(first, (Sequence, np.ndarray)) and not isinstance(first, (str, bytes)):
+        out = [tuple(int(c) for c in counts) for counts in task_counts]
+        if steps is not None and len(out) != steps:
+            raise ValueError(f"task_counts has {len(out)} count tuples for {steps} batches; "
+                             "give one per batch of the [K, B, ...] block, or one for all")
+        return out
+    return [tuple(int(c) for c in task_counts)] * (1 if steps is None else steps)
+
+
 def train_steps(
     state: TrainState, batches: Mapping[str, jax.Array], rng: jax.Array, **step_kwargs: Any
 ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -511,6 +525,8 @@ class Trainer:
         With `task_counts` (balanced path), this process's `task_id` rows are checked
         against the blocks the counts describe (numpy, before sharding); a batch that is
         not grouped as promised raises here instead of silently mixing tasks' gradients.
+        A `[K, B, ...]` block takes one count tuple for all K batches or one per batch
+        (`per_step_counts`).
         """
         task_id = batch.get("task_id") if task_counts is not None and self.optimizer.balanced \
             else None
@@ -520,9 +536,9 @@ class Trainer:
         if isinstance(task_id, np.ndarray):
             from ktx.optim import engine
 
-            for rows in task_id.reshape((-1, task_id.shape[-1]) if batch_axis else (1, -1)):
-                engine.check_host_layout(rows, task_counts, jax.process_index(),
-                                         jax.process_count())
+            rows = task_id.reshape((-1, task_id.shape[-1]) if batch_axis else (1, -1))
+            for one, counts in zip(rows, per_step_counts(task_counts, rows.shape[0])):
+                engine.check_host_layout(one, counts, jax.process_index(), jax.process_count())
         data_size = self.mesh.shape[partitioning.DATA]
         for k, v in batch.items():
             rows = np.shape(v)[batch_axis] * jax.process_count()
@@ -537,12 +553,14 @@ class Trainer:
             return dict(batch)
         return partitioning.host_local_to_global(batch, self.mesh, batch_axis)
 
-    def _capacity_for(self, task_counts: Sequence[int] | None) -> tuple[int, ...] | None:
-        """Static per-task block sizes: the most rows each task has had so far."""
+    def _capacity_for(self, task_counts: Any) -> tuple[int, ...] | None:
+        """Static per-task block sizes: the most rows each task has had so far (one count
+        tuple, or one per batch of a `[K, B, ...]` block)."""
         if not self.optimizer.balanced or task_counts is None \
                 or self.options.num_microbatches != 1 or self.options.uncertainty_rows:
             return None
-        counts = tuple(int(c) for c in task_counts)
+        steps = per_step_counts(task_counts)
+        counts = tuple(max(int(c[t]) for c in steps) for t in range(len(steps[0])))
         if self._capacity is None or len(self._capacity) != len(counts):
             self._capacity = counts
         else:
@@ -599,7 +617,8 @@ class Trainer:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """K steps in one compiled call (`train_steps`): `batches` holds this process's
         rows of K consecutive global batches, every feature stacked `[K, B, ...]`;
-        `task_counts` must hold for each of the K batches. Metrics come back `[K, ...]`;
+        `task_counts` is one count tuple for every batch or a sequence of K (one per
+        batch: a mixture's counts vary from step to step). Metrics come back `[K, ...]`;
         the result equals K `train_step` calls (each distinct K compiles once)."""
         if self.state_shardings is None:
             raise ValueError("Trainer.train_steps before init_state/create_abstract_state")
