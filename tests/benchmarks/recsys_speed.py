@@ -25,7 +25,7 @@ to stderr).
 
 `--train_steps` times N steps after compilation and scales to the epoch (0: the whole
 epoch); `--eval_users` ranks only the first N test users and scales to all of them
-(0: all); `--ranking_only` skips the training timings. Scaled figures are marked
+(0: all); `--ranking_only` skips the training timings, `--training_only` the ranking. Scaled figures are marked
 `*_projected` in the JSON.
 """
 
@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--train_steps", type=int, default=0)
     ap.add_argument("--eval_users", type=int, default=0)
     ap.add_argument("--ranking_only", action="store_true")
+    ap.add_argument("--training_only", action="store_true", help="skip the ranking timings")
     ap.add_argument("--ranking_repeats", type=int, default=3)
     ap.add_argument("--segments", type=int, default=8)
     ap.add_argument("--segment_users", type=int, default=2048)
@@ -208,8 +209,9 @@ def main() -> None:
                     "ktx_train_over_scanned_vanilla_multi": round(loop_vm / vm, 3),
                     "ktx_train_over_scanned_metabalance": round(loop_mb / mb, 3)})
         print(f"training: {out}", file=sys.stderr, flush=True)
-    out.update(ranking_speed(data, args.eval_users, args.ranking_repeats, args.segment_users,
-                             args.segments))
+    if not args.training_only:
+        out.update(ranking_speed(data, args.eval_users, args.ranking_repeats,
+                                 args.segment_users, args.segments))
     print(json.dumps(out))
 
 
