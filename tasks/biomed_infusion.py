@@ -173,6 +173,16 @@ _ROWS = {name: _rows_fn(name) for name in READERS}
 _ENCODER_ROWS = {name: _rows_fn(name, encoder=True) for name in READERS}
 
 
+def _source(reader, split_files, rows, data_dir, on_bad_row) -> biomed.BiomedFilesSource:
+    """The files of `reader` (`INFUSION_FILES[reader]` unless `split_files`), read into
+    rows by `rows[reader]`."""
+    if reader not in READERS:
+        raise ValueError(f"reader={reader!r}; accepted: {sorted(READERS)}")
+    return biomed.BiomedFilesSource(
+        split_files if split_files is not None else INFUSION_FILES[reader],
+        rows[reader], _HOW_TO_OBTAIN[reader], data_dir=data_dir, on_bad_row=on_bad_row)
+
+
 def add_disease_infusion_task(
     name: str,
     reader: str = "liveqa",
@@ -192,15 +202,7 @@ def add_disease_infusion_task(
       data_dir, on_bad_row: see `ktx.tasks.biomed.BiomedFilesSource`.
       output_features: default the T5 vocabulary features of `ktx.tasks.config`.
     """
-    if reader not in READERS:
-        raise ValueError(f"reader={reader!r}; accepted: {sorted(READERS)}")
-    source = biomed.BiomedFilesSource(
-        split_files if split_files is not None else INFUSION_FILES[reader],
-        _ROWS[reader],
-        _HOW_TO_OBTAIN[reader],
-        data_dir=data_dir,
-        on_bad_row=on_bad_row,
-    )
+    source = _source(reader, split_files, _ROWS, data_dir, on_bad_row)
     return seqio.TaskRegistry.add(
         name,
         source=source,
@@ -232,8 +234,6 @@ def add_disease_infusion_encoder_task(
     `blank_token`), tokenized with the run's WordPiece vocabulary
     (`wordpiece.ENCODER_VOCABULARY`, the gin `ENCODER_VOCAB`). Trained by
     `ktx.models.encoder_mlm.EncoderMlmModel`; scored by its masked-token accuracy."""
-    if reader not in READERS:
-        raise ValueError(f"reader={reader!r}; accepted: {sorted(READERS)}")
     if mask not in mlm_features.INFUSION_MASKS:
         raise ValueError(f"mask={mask!r}; accepted: {mlm_features.INFUSION_MASKS}")
     if mask == "aspect" and not auxiliary_sentence:
@@ -242,13 +242,7 @@ def add_disease_infusion_encoder_task(
     if isinstance(blank_rate, bool) or not isinstance(blank_rate, (int, float)) \
             or not 0.0 <= blank_rate <= 1.0:
         raise ValueError(f"blank_rate={blank_rate!r}; accepted: a probability in [0, 1]")
-    source = biomed.BiomedFilesSource(
-        split_files if split_files is not None else INFUSION_FILES[reader],
-        _ENCODER_ROWS[reader],
-        _HOW_TO_OBTAIN[reader],
-        data_dir=data_dir,
-        on_bad_row=on_bad_row,
-    )
+    source = _source(reader, split_files, _ENCODER_ROWS, data_dir, on_bad_row)
     return seqio.TaskRegistry.add(
         name,
         source=source,

@@ -274,18 +274,17 @@ class MultiTaskInput:
         self.on_bad_row = on_bad_row
         self.encoder_vocabulary = encoder_vocabulary
         self.task_names: tuple[str, ...] = task_names
-        if num_labels is not None:
+        # The model's head sizes and kinds, checked against each task's labels.
+        for name, value, check in (("num_labels", num_labels, ef.check_num_labels),
+                                   ("head_kinds", head_kinds, ef.check_head_kinds)):
+            if value is None:
+                continue
             if self.kind != "encoder":
-                raise ValueError(f"num_labels={num_labels!r} applies to encoder tasks; "
-                                 f"{list(task_names)} are {_KIND_NAMES[self.kind]} tasks: leave it None")
-            ef.check_num_labels(task_names, self.label_spaces, num_labels)
-        self.num_labels = num_labels
-        if head_kinds is not None:
-            if self.kind != "encoder":
-                raise ValueError(f"head_kinds={head_kinds!r} applies to encoder tasks; "
-                                 f"{list(task_names)} are {_KIND_NAMES[self.kind]} tasks: leave it None")
-            ef.check_head_kinds(task_names, self.label_spaces, head_kinds)
-        self.head_kinds = head_kinds
+                raise ValueError(f"{name}={value!r} applies to encoder tasks; "
+                                 f"{list(task_names)} are {_KIND_NAMES[self.kind]} tasks: "
+                                 "leave it None")
+            check(task_names, self.label_spaces, value)
+        self.num_labels, self.head_kinds = num_labels, head_kinds
         # Every row of a mixture with a tagging task has the tagging features.
         self.tagging = self.kind == "encoder" and any(s.is_tagging for s in self.label_spaces)
 

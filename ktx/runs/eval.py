@@ -37,6 +37,7 @@ __all__ = [
     "teacher_forced_eval",
     "DecodeEvaluator",
     "Evaluator",
+    "SplitEvaluator",
     "TeacherForcedEvaluator",
     "EvalSummary",
     "evaluate",
@@ -111,26 +112,23 @@ class Evaluator(Protocol):
         ...
 
 
-class TeacherForcedEvaluator:
-    """Teacher-forced scores of every task's `split` (`teacher_forced_eval`): the model's
-    aux sums (loss, accuracy, ...) without decoding.
+class SplitEvaluator:
+    """What the evaluators that score one split of the run's tasks share: `eval_input`
+    (an input with `eval_batches(task, split, batch_size)`, e.g.
+    `ktx.data.pipeline.MultiTaskInput`; None: the run's training input, set by
+    `use_train_input`, which the train loop calls), `split`, and `batch_size` (global;
+    None: the training batch size). `kind` names the scores in the title."""
 
-    Args:
-      eval_input: an input with `eval_batches(task, split, batch_size)` (e.g.
-        `ktx.data.pipeline.MultiTaskInput`); None: the run's training input
-        (`use_train_input`, called by the train loop).
-      split: the split to score.
-      batch_size: global batch size (None: the training batch size).
-    """
+    kind = "scores"
 
     def __init__(self, eval_input: Any = None, *, split: str = "validation",
                  batch_size: int | None = None):
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
                 batch_size, int) or batch_size < 1):
-            raise ValueError(f"TeacherForcedEvaluator.batch_size={batch_size!r}; accepted: an "
+            raise ValueError(f"{type(self).__name__}.batch_size={batch_size!r}; accepted: an "
                              "integer >= 1, or None (the training batch size)")
         self.eval_input, self.split, self.batch_size = eval_input, split, batch_size
-        self.title = f"{split} (teacher-forced)"
+        self.title = f"{split} ({self.kind})"
 
     def use_train_input(self, train_input: Any, global_batch_size: int) -> None:
         """Defaults from the run: its input (when none was given) and batch size."""
@@ -138,6 +136,13 @@ class TeacherForcedEvaluator:
             self.eval_input = train_input
         if self.batch_size is None:
             self.batch_size = global_batch_size
+
+
+class TeacherForcedEvaluator(SplitEvaluator):
+    """Teacher-forced scores of every task's `split` (`teacher_forced_eval`): the model's
+    aux sums (loss, accuracy, ...) without decoding. Arguments: `SplitEvaluator`'s."""
+
+    kind = "teacher-forced"
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ktx import partitioning
 from ktx.metrics import tagging as tagging_metrics
-from ktx.runs.eval import _batch_and_rows
+from ktx.runs.eval import SplitEvaluator, _batch_and_rows
 from ktx.training.summaries import MetricsWriter
 from ktx.training.trainer import Trainer
 
@@ -58,10 +58,10 @@ def predict_tags(model: Any, params: Any, batch: Any) -> jax.Array:
     return out
 
 
-class TaggingEvaluator:
+class TaggingEvaluator(SplitEvaluator):
     """Entity precision / recall / F1 of every tagging task's `split` (module docstring).
 
-    Args:
+    Args (`ktx.runs.eval.SplitEvaluator`'s):
       eval_input: an input with `eval_batches(task, split, batch_size)`, `task_names` and
         `label_spaces` (`ktx.data.pipeline.MultiTaskInput`); None: the run's training input
         (`use_train_input`, called by the train loop).
@@ -69,23 +69,13 @@ class TaggingEvaluator:
       batch_size: global batch size (None: the training batch size).
     """
 
+    kind = "entities"
+
     def __init__(self, eval_input: Any = None, *, split: str = "validation",
                  batch_size: int | None = None):
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
-                batch_size, int) or batch_size < 1):
-            raise ValueError(f"TaggingEvaluator.batch_size={batch_size!r}; accepted: an integer "
-                             ">= 1, or None (the training batch size)")
-        self.eval_input, self.split, self.batch_size = eval_input, split, batch_size
-        self.title = f"{split} (entities)"
+        super().__init__(eval_input, split=split, batch_size=batch_size)
         self._trainer = None
         self._predict = None
-
-    def use_train_input(self, train_input: Any, global_batch_size: int) -> None:
-        """Defaults from the run: its input (when none was given) and batch size."""
-        if self.eval_input is None:
-            self.eval_input = train_input
-        if self.batch_size is None:
-            self.batch_size = global_batch_size
 
     def _compile(self, trainer: Trainer) -> None:
         model = trainer.model

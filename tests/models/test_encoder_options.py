@@ -22,7 +22,7 @@ KINDS = ("plain", "camtl", "pals", "tea")
 
 
 def _model(kind: str, config: bert.BertConfig = CONFIG, **kwargs):
-    common = dict(num_labels=(3, 1), **kwargs)
+    common = {"num_labels": (3, 1), **kwargs}
     if kind == "plain":
         return encoder.EncoderClassifierModel(config, **common)
     if kind == "camtl":

@@ -17,6 +17,7 @@ from ktx.models import bert, camtl, encoder, pals, tea
 from ktx.models.base import with_row_ids
 from ktx.optim import compute_task_gradients
 from ktx.training import trainer as trainer_lib
+from tests.models.test_encoder_options import _model as encoder_options_model
 
 B, L = 8, 8
 CONFIG = bert.BertConfig(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2,
@@ -28,15 +29,9 @@ IGN = encoder.IGNORE_LABEL
 
 
 def _model(kind, config=CONFIG, **kwargs):
-    common = dict(num_labels=(3, 2), head_kinds=("tagging", "sequence"), **kwargs)
-    if kind == "plain":
-        return encoder.EncoderClassifierModel(config, **common)
-    if kind == "camtl":
-        return camtl.CaMtlClassifierModel(config, camtl=camtl.CaMtlConfig(max_seq_length=L),
-                                          **common)
-    if kind == "pals":
-        return pals.PalsClassifierModel(config, pals_size=4, pals_heads=2, **common)
-    return tea.TeaClassifierModel(config, injection="qkv", **common)
+    """The four encoder models of `test_encoder_options`, with a tagging and a sequence head."""
+    return encoder_options_model(kind, config, **{
+        "num_labels": (3, 2), "head_kinds": ("tagging", "sequence"), **kwargs})
 
 
 def _batch():
