@@ -168,6 +168,7 @@ def train(
     sparse_tables: Sequence[str] | None = None,
     target_task: int = 0,
     log_diagnostics: bool = True,
+    norm_metrics: bool = True,
     seed: int = 0,
     log_period: int = 100,
     checkpoint_period: int | str = 1000,
@@ -205,6 +206,9 @@ def train(
         `ktx.training.trainer.StepOptions`.
       log_diagnostics: balanced runs: log per-task gradient norms, cosines (against
         `target_task`) and MetaBalance weights at every log step.
+      norm_metrics: report `grad_norm`, `update_norm` and `param_norm` (three passes over
+        the parameters every step; False for a small model whose step they slow, as the
+        recommendation model's: `runs/recsys_train.gin`).
       seed: parameter init and dropout keys.
       log_period: steps between metric fetches / NaN checks / progress lines.
       checkpoint_period, keep_checkpoints: save cadence (steps, or "epoch" for an input
@@ -272,7 +276,7 @@ def train(
                                                        parameter_partitioning_dims),
         num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
         sparse_tables=sparse_tables, diagnostics_period=log_period if log_diagnostics else 0,
-        target_task=target_task, uncertainty_rows=mt_uncertainty_rows,
+        target_task=target_task, uncertainty_rows=mt_uncertainty_rows, norm_metrics=norm_metrics,
         uncertainty_proxies=proxies,
     )
     first_batch = train_input.get_batch(0)
