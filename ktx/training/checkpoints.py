@@ -305,12 +305,14 @@ class CheckpointManager:
                 f"no checkpoint for step {step} in {str(self.directory)!r}; saved: {self.all_steps()}"
             )
         step_dir = self.directory / str(step)
-        saved_tree = _reading(step_dir, _saved_tree_metadata, step_dir)
+        # Read inside `_reading`: a step whose metadata cannot be read (or reads as None, as
+        # orbax returns for a damaged step) is a CorruptCheckpointError, skipped by
+        # `restore_latest_good`, not a TypeError.
+        saved_params, saved_model_state = _reading(step_dir, lambda: (
+            lambda tree: (tree["params"], tree.get("model_state")))(_saved_tree_metadata(step_dir)))
         message = _mismatch_message(
-            str(step_dir), _flat_shapes(saved_tree["params"]), _flat_shapes(abstract_state.params),
-            False,
-        ) or _model_state_message(str(step_dir), saved_tree.get("model_state"),
-                                  abstract_state.model_state)
+            str(step_dir), _flat_shapes(saved_params), _flat_shapes(abstract_state.params), False,
+        ) or _model_state_message(str(step_dir), saved_model_state, abstract_state.model_state)
         if message:
             raise CheckpointShapeError(message)
         target = _state_to_tree(abstract_state)
