@@ -60,8 +60,12 @@ __all__ = [
     "HEAD_KINDS",
     "SEQUENCE",
     "TAGGING",
+    "COSINE",
     "IGNORE_LABEL",
     "TAGGING_FEATURES",
+    "COSINE_FEATURES",
+    "cosine_tasks",
+    "with_cosine_features",
     "WORD_SEPARATOR",
     "check_head_kinds",
     "tokenize_words",
@@ -72,12 +76,17 @@ __all__ = [
 
 TEXT_FEATURES = ("text_a", "text_b")
 ENCODER_FEATURES = ("input_ids", "token_type_ids", "attention_mask", "label")
-SEQUENCE, TAGGING = "sequence", "tagging"
-HEAD_KINDS = (SEQUENCE, TAGGING)  # a head on the pooled output / on every token
+SEQUENCE, TAGGING, COSINE = "sequence", "tagging", "cosine"
+# A head on the pooled output / on every token / the cosine of the two texts' pooled
+# outputs, each text encoded alone (a regression task of pairs; SlapBERT's STS head).
+HEAD_KINDS = (SEQUENCE, TAGGING, COSINE)
 IGNORE_LABEL = -100  # token_labels of positions the loss and the metric skip
 # Per-row features of a tagging row besides ENCODER_FEATURES (sequence rows of a mixture
 # with tagging tasks get IGNORE_LABEL / 0 there).
 TAGGING_FEATURES = ("token_labels", "words_cut", "entities_cut", "entity_crosses_cut")
+# Per-row features of a mixture with a cosine head: the second text alone, `[CLS] b [SEP]`
+# (rows of the other tasks: all padding).
+COSINE_FEATURES = ("input_ids_b", "attention_mask_b")
 WORD_SEPARATOR = "\n"  # joins a sentence's words in a tagging task's source rows
 
 
@@ -93,8 +102,8 @@ class LabelSpace(seqio.PassThroughVocabulary):
     def __init__(self, names: Sequence[str] = (), *, score_range: tuple[float, float] | None = None,
                  kind: str = SEQUENCE):
         names = tuple(names)
-        if kind not in HEAD_KINDS:
-            raise ValueError(f"LabelSpace(kind={kind!r}); accepted: {HEAD_KINDS}")
+        if kind not in (SEQUENCE, TAGGING):
+            raise ValueError(f"LabelSpace(kind={kind!r}); accepted: {(SEQUENCE, TAGGING)}")
         if bool(names) == (score_range is not None):
             raise ValueError(f"LabelSpace(names={names!r}, score_range={score_range!r}): give "
                              "class names (2 or more) or a score_range (regression), not both")
@@ -232,12 +241,27 @@ def convert_encoder(
     *,
     cls_id: int,
     sep_id: int,
+    separate: bool = False,
 ) -> dict[str, np.ndarray]:
     """`EncoderClassifierModel` features `[N, length]` (+ `label` `[N]` float32).
 
     A pair with an empty `text_b` is a single sentence (`[CLS] a [SEP]`); the texts are
     cut longest-first to fit `length` (3 pieces are reserved for a pair, 2 for one).
+    `separate` (a cosine head's task): each text alone, `input_ids` = `[CLS] a [SEP]` and
+    `input_ids_b` = `[CLS] b [SEP]` (`COSINE_FEATURES`), each cut to `length`; every
+    example needs a non-empty `text_b`.
     """
+    if separate:
+        first = convert_encoder(text_a, [()] * len(text_a), labels, length,
+                                cls_id=cls_id, sep_id=sep_id)
+        empty = [i for i, b in enumerate(text_b) if len(b) == 0]
+        if empty:
+            raise ValueError(f"convert_encoder(separate=True): example {empty[0]} has no "
+                             "second text; a cosine head compares two texts (accepted: pairs)")
+        second = convert_encoder(text_b, [()] * len(text_b), labels, length,
+                                 cls_id=cls_id, sep_id=sep_id)
+        return {**first, "input_ids_b": second["input_ids"],
+                "attention_mask_b": second["attention_mask"]}
     n = len(text_a)
     if len(text_b) != n or len(labels) != n:
         raise ValueError(f"convert_encoder: {n} text_a, {len(text_b)} text_b and "
@@ -309,7 +333,8 @@ def check_head_kinds(task_names: Sequence[str], spaces: Sequence[LabelSpace],
                      head_kinds: str | Sequence[str]) -> None:
     """Raises ValueError when a model head's kind (`head_kinds`, the gin HEAD_KINDS: one
     of `HEAD_KINDS` for every task or one per task in task-id order) differs from what its
-    task's labels need ("tagging" for a `LabelSpace.tagging` task, else "sequence")."""
+    task's labels need ("tagging" for a `LabelSpace.tagging` task, else "sequence"; a
+    regression task may take a "cosine" head instead)."""
     wanted = tuple(s.kind for s in spaces)
     if isinstance(head_kinds, str):
         kinds = (head_kinds,) * len(spaces)
@@ -326,7 +351,13 @@ def check_head_kinds(task_names: Sequence[str], spaces: Sequence[LabelSpace],
             f"entries but the mixture has {len(spaces)} tasks {list(task_names)}; their labels "
             f"need HEAD_KINDS = {wanted}")
     for t, (name, space, kind) in enumerate(zip(task_names, spaces, kinds)):
-        if kind != space.kind:
+        if kind == COSINE and not space.is_regression:
+            raise ValueError(
+                f"pipeline.MultiTaskInput.head_kinds (HEAD_KINDS) = {head_kinds!r} gives task "
+                f"{name!r} (task id {t}) a 'cosine' head, but its labels are "
+                f"{space.describe()}; accepted: a cosine head for a regression task of "
+                f"pairs (a score range), else {space.kind!r}")
+        if kind != space.kind and kind != COSINE:
             raise ValueError(
                 f"pipeline.MultiTaskInput.head_kinds (HEAD_KINDS) = {head_kinds!r} gives task "
                 f"{name!r} (task id {t}) a {kind!r} head, but its labels are "
@@ -432,6 +463,23 @@ def sequence_rows_for_tagging(features: Mapping[str, np.ndarray]) -> dict[str, n
     n, length = features["input_ids"].shape
     return {**features, "token_labels": np.full((n, length), IGNORE_LABEL, np.int64),
             **{k: np.zeros(n, np.int64) for k in TAGGING_FEATURES[1:]}}
+
+
+def cosine_tasks(head_kinds: str | Sequence[str] | None, num_tasks: int) -> tuple[int, ...]:
+    """Task ids whose head is "cosine" (`head_kinds` as `check_head_kinds` takes it)."""
+    if head_kinds is None:
+        return ()
+    kinds = (head_kinds,) * num_tasks if isinstance(head_kinds, str) else tuple(head_kinds)
+    return tuple(t for t, k in enumerate(kinds) if k == COSINE)
+
+
+def with_cosine_features(features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Rows of a mixture with a cosine head: a task without one gets all-padding
+    `COSINE_FEATURES` (never read by its head), so the rows of every task stack."""
+    if all(k in features for k in COSINE_FEATURES):
+        return dict(features)
+    n, length = features["input_ids"].shape
+    return {**features, **{k: np.zeros((n, length), np.int64) for k in COSINE_FEATURES}}
 
 
 def log_truncation(features: Mapping[str, np.ndarray], *, source: str, length: int) -> None:

@@ -307,7 +307,7 @@ class CaMtlClassifierModel(encoder.EncoderClassifierModel):
             config=self.config, camtl=camtl, num_tasks=self.num_tasks,
             num_shared_layers=self.shared_layers, num_labels=self.num_labels,
             classifier_dropout=self.classifier_dropout, pooling=self.pooling,
-            head_kinds=self.head_kinds, pool=encoder.SEQUENCE in self.head_kinds)
+            head_kinds=self.head_kinds, pool=encoder.needs_pooling(self.head_kinds))
 
     def __repr__(self) -> str:
         return (f"CaMtlClassifierModel(config={self.config}, camtl={self.camtl}, "

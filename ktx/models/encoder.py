@@ -32,6 +32,18 @@ tagging row with no labelled token has weight 0. Aux: `accuracy` is the row's sh
 correct labelled tokens; `token_correct` and `tokens` (`[T]` sums of correct and of
 labelled tokens; only when a head tags) give the token accuracy `token_correct / tokens`.
 
+Cosine head (`head_kinds[t] == "cosine"`, a regression task of pairs; the SlapBERT
+study's STS head, sentence-transformers' `CosineSimilarityLoss` up to the scale): the two
+texts are encoded alone, `u` = the pooled output of `input_ids` (`[CLS] a [SEP]`), `v` =
+that of `input_ids_b` (`[CLS] b [SEP]`, with `attention_mask_b`), and
+
+    prediction_b = cosine_scale * cos(u_b, v_b),   loss_b = (prediction_b - label_b)^2,
+
+no parameters and no dropout after the pooling. A model with a cosine head runs the encoder
+a second time, on `input_ids_b`, for every row of the batch (rows of other tasks carry an
+all-padding `input_ids_b` whose output no head reads), so a step costs about two forward
+and backward passes; its second pass draws dropout from `fold_in(rng, 1)`.
+
 Dropout is drawn per example (`ktx.models.base.row_keys`, a per-row vmap as
 `EncoderDecoderModel`), so task blocks and microbatches reproduce the whole batch's masks.
 
@@ -63,15 +75,16 @@ from ktx.partitioning import EMBED
 
 __all__ = ["TASK_HEADS_SCOPE", "TaskHeads", "BertClassifier", "EncoderClassifierModel",
            "frozen_layer_patterns", "stop_frozen_gradients", "normalised_entropy",
-           "row_normalised_entropy", "SEQUENCE", "TAGGING", "HEAD_KINDS", "IGNORE_LABEL",
+           "row_normalised_entropy", "SEQUENCE", "TAGGING", "COSINE", "HEAD_KINDS", "IGNORE_LABEL",
            "check_head_kinds", "apply_task_heads"]
 
 TASK_HEADS_SCOPE = "task_heads"
 _FEATURES = ("input_ids", "token_type_ids", "attention_mask")
 _REQUIRED = ("input_ids", "label", "task_id")
 # Head kinds (the same names as `ktx.data.encoder_features`, which the tests check).
-SEQUENCE, TAGGING = "sequence", "tagging"
-HEAD_KINDS = (SEQUENCE, TAGGING)
+SEQUENCE, TAGGING, COSINE = "sequence", "tagging", "cosine"
+HEAD_KINDS = (SEQUENCE, TAGGING, COSINE)
+_COSINE_FEATURES = ("input_ids_b", "attention_mask_b")
 IGNORE_LABEL = -100  # `token_labels` of positions without a label (transformers' value)
 
 
@@ -118,17 +131,20 @@ def row_normalised_entropy(logits: Sequence[jax.Array], task_id: jax.Array) -> j
 
 class TaskHeads(nn.Module):
     """One linear head per task: a "sequence" head maps the pooled `[B, E]` to `[B, n_t]`,
-    a "tagging" head every token's `[B, L, E]` to `[B, L, n_t]` (float32 logits)."""
+    a "tagging" head every token's `[B, L, E]` to `[B, L, n_t]` (float32 logits); a
+    "cosine" head has no parameters and returns the pooled output before dropout, `[B, E]`
+    float32 (`sentence`), which the model compares with the second text's."""
 
     num_labels: tuple[int, ...]
     dtype: Any = jnp.float32
     head_kinds: tuple[str, ...] | None = None  # None: every head "sequence"
 
     @nn.compact
-    def __call__(self, x: jax.Array | None, tokens: jax.Array | None = None
-                 ) -> tuple[jax.Array, ...]:
+    def __call__(self, x: jax.Array | None, tokens: jax.Array | None = None,
+                 sentence: jax.Array | None = None) -> tuple[jax.Array, ...]:
         kinds = self.head_kinds or (SEQUENCE,) * len(self.num_labels)
         return tuple(
+            jnp.asarray(sentence, jnp.float32) if kind == COSINE else
             jnp.asarray(bert.DenseGeneral((n,), (EMBED, None), (None,), dtype=self.dtype,
                                           name=f"task_{t}")(tokens if kind == TAGGING else x),
                         jnp.float32)
@@ -138,14 +154,16 @@ class TaskHeads(nn.Module):
 
 def apply_task_heads(heads: TaskHeads, dropout: nn.Dropout, hidden: jax.Array,
                      pooled: jax.Array | None, deterministic: bool) -> tuple[jax.Array, ...]:
-    """`heads` on the dropped-out pooled output (sequence heads) and the dropped-out last
+    """`heads` on the dropped-out pooled output (sequence heads), the dropped-out last
     hidden states `[B, L, E]` (tagging heads; only when one tags, so a model without
-    tagging heads draws the same dropout masks as before)."""
+    tagging heads draws the same dropout masks as before) and the pooled output itself
+    (cosine heads)."""
     kinds = heads.head_kinds or ()
     tokens = dropout(hidden, deterministic=deterministic) if TAGGING in kinds else None
-    if pooled is not None:
+    sentence = pooled if COSINE in kinds else None
+    if pooled is not None and SEQUENCE in (kinds or (SEQUENCE,)):
         pooled = dropout(pooled, deterministic=deterministic)
-    return heads(pooled, tokens)
+    return heads(pooled, tokens, sentence)
 
 
 class BertClassifier(bert.BertEncoder):
@@ -168,13 +186,28 @@ class BertClassifier(bert.BertEncoder):
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None, *,
                  deterministic: bool = True, embedding_perturbation=None):
-        # No sequence head: no pooler (transformers' BertForTokenClassification has none).
-        pool = SEQUENCE in (self.head_kinds or (SEQUENCE,))
+        # No sequence or cosine head: no pooler (transformers' BertForTokenClassification
+        # has none).
+        pool = needs_pooling(self.head_kinds)
         hidden, pooled = self.encode(input_ids, token_type_ids, attention_mask,
                                      deterministic=deterministic, pool=pool,
                                      embedding_perturbation=embedding_perturbation)
         return apply_task_heads(self.task_heads, self.head_dropout, hidden, pooled,
                                 deterministic)
+
+
+def cosine_similarity(u: jax.Array, v: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """`[B]` cosine of `[B, E]` rows (float32), each norm floored at `eps` as torch's
+    `cosine_similarity` (an all-zero vector gives 0)."""
+    u, v = jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32)
+    nu = jnp.maximum(jnp.linalg.norm(u, axis=-1), eps)
+    nv = jnp.maximum(jnp.linalg.norm(v, axis=-1), eps)
+    return jnp.sum(u * v, axis=-1) / (nu * nv)
+
+
+def needs_pooling(head_kinds: Sequence[str] | None) -> bool:
+    """Whether heads of these kinds read the pooled output (a sequence or cosine head)."""
+    return bool({SEQUENCE, COSINE} & set(head_kinds or (SEQUENCE,)))
 
 
 def frozen_layer_patterns(num_layers: int, frozen_layers: int | str = 0) -> tuple[str, ...]:
@@ -230,10 +263,14 @@ class EncoderClassifierModel(BaseModel):
       pooling: the heads' sentence vector (`bert.POOLINGS`): "cls" (BERT's pooler on
         [CLS], transformers' `BertForSequenceClassification`) or "mean" (the mean of the
         attended hidden states, no pooler; sentence-transformers' pooling).
-      head_kinds: each task's head (`HEAD_KINDS`): "sequence" (on the pooled output) or
-        "tagging" (on every token; `num_labels[t]` tags, the batch needs `token_labels`);
-        one kind for all tasks or one per task; None: every head "sequence". Without a
-        sequence head the model has no pooler.
+      head_kinds: each task's head (`HEAD_KINDS`): "sequence" (on the pooled output),
+        "tagging" (on every token; `num_labels[t]` tags, the batch needs `token_labels`)
+        or "cosine" (a regression of pairs, `num_labels[t] == 1`: the cosine of the two
+        texts' pooled outputs, the batch needs `input_ids_b`; module docstring); one
+        kind for all tasks or one per task; None: every head "sequence". Without a
+        sequence or cosine head the model has no pooler.
+      cosine_scale: a cosine head predicts `cosine_scale * cos(u, v)` (5: STS scores
+        0-5; 1: labels in [0, 1] as sentence-transformers' `CosineSimilarityLoss`).
     """
 
     def __init__(
@@ -248,6 +285,7 @@ class EncoderClassifierModel(BaseModel):
         frozen_layers: int | str = 0,
         pooling: str = "cls",
         head_kinds: str | Sequence[str] | None = None,
+        cosine_scale: float = 5.0,
     ):
         config = bert.BertConfig() if config is None else config
         if not isinstance(config, bert.BertConfig):
@@ -300,6 +338,18 @@ class EncoderClassifierModel(BaseModel):
                 f"{type(self).__name__}: tasks {bad} have a tagging head of num_labels="
                 f"{[self.num_labels[t] for t in bad]}; a tagging head needs >= 2 tags (no "
                 "regression tagging)")
+        bad = [t for t, (k, n) in enumerate(zip(self.head_kinds, self.num_labels))
+               if k == COSINE and n != 1]
+        if bad:
+            raise ValueError(
+                f"{type(self).__name__}: tasks {bad} have a cosine head of num_labels="
+                f"{[self.num_labels[t] for t in bad]}; a cosine head is a regression "
+                "(accepted: num_labels=1 for those tasks)")
+        if isinstance(cosine_scale, bool) or not isinstance(cosine_scale, (int, float)) \
+                or not cosine_scale > 0:
+            raise ValueError(f"{type(self).__name__}.cosine_scale={cosine_scale!r}; accepted: "
+                             "a number > 0")
+        self.cosine_scale = float(cosine_scale)
         self.module = BertClassifier(
             config=config, num_shared_layers=self.shared_layers, num_labels=self.num_labels,
             classifier_dropout=self.classifier_dropout, pooling=self.pooling,
@@ -309,6 +359,11 @@ class EncoderClassifierModel(BaseModel):
     def tagging(self) -> bool:
         """True when some task has a tagging head (the batch then needs `token_labels`)."""
         return TAGGING in self.head_kinds
+
+    @property
+    def cosine(self) -> bool:
+        """True when some task has a cosine head (the batch then needs `input_ids_b`)."""
+        return COSINE in self.head_kinds
 
     def __repr__(self) -> str:
         return (f"EncoderClassifierModel(config={self.config}, num_labels={self.num_labels}, "
@@ -321,11 +376,15 @@ class EncoderClassifierModel(BaseModel):
 
     def _check_batch(self, batch: Batch, required: tuple[str, ...] | None = None) -> None:
         if required is None:
-            required = _REQUIRED + (("token_labels",) if self.tagging else ())
+            required = _REQUIRED + (("token_labels",) if self.tagging else ()) + (
+                ("input_ids_b",) if self.cosine else ())
         missing = [k for k in required if k not in batch]
         if missing:
             tagging = (f"; with tagging heads (head_kinds={self.head_kinds}) also token_labels"
                        if self.tagging else "")
+            if self.cosine:
+                tagging += (f"; with cosine heads (head_kinds={self.head_kinds}) also "
+                            "input_ids_b (+ optional attention_mask_b)")
             raise ValueError(
                 f"batch is missing features {missing}; it has {sorted(batch)}; an encoder "
                 f"classification batch needs {list(_REQUIRED)} (+ optional token_type_ids, "
@@ -355,6 +414,9 @@ class EncoderClassifierModel(BaseModel):
         }
         if self.tagging:
             spec["token_labels"] = jax.ShapeDtypeStruct((batch_size, value), i32)
+        if self.cosine:
+            spec.update({k: jax.ShapeDtypeStruct((batch_size, value), i32)
+                         for k in _COSINE_FEATURES})
         return spec
 
     def init_variables(self, rng: jax.Array, batch: Batch) -> Any:
@@ -375,13 +437,30 @@ class EncoderClassifierModel(BaseModel):
         return self._apply(params, features, batch, rng, train, embedding_perturbation)
 
     def _apply(self, params, features, batch, rng, train, embedding_perturbation):
-        """`self.module` on `features` (+ the perturbation), dropout keyed per row."""
-        if embedding_perturbation is not None and self.tagging:
+        """`self.module` on `features` (+ the perturbation), dropout keyed per row; with a
+        cosine head, also on the second texts (`features` with `input_ids_b`), and each
+        cosine head's output is `cosine_scale * cos(u, v)` `[B, 1]`."""
+        if embedding_perturbation is not None and (self.tagging or self.cosine):
             raise ValueError(
                 f"{type(self).__name__}(head_kinds={self.head_kinds}): SMART "
                 "(ktx.models.smart.SmartModel, gin conditioning/smart.gin) compares [B, n] "
-                "predictions of sequence heads and does not support tagging heads; train "
-                "the tagging tasks without SMART")
+                "predictions of sequence heads and does not support tagging or cosine heads; "
+                "train those tasks without SMART")
+        out = self._apply_once(params, features, batch, rng, train, embedding_perturbation)
+        if not self.cosine:
+            return out
+        self._check_batch(batch, ("input_ids_b",))
+        ids_b = jnp.asarray(batch["input_ids_b"], jnp.int32)
+        second = dict(features, input_ids=ids_b, token_type_ids=jnp.zeros_like(ids_b))
+        second["attention_mask"] = jnp.asarray(
+            batch["attention_mask_b"] if "attention_mask_b" in batch else ids_b > 0, jnp.int32)
+        out_b = self._apply_once(params, second, batch,
+                                 None if rng is None else jax.random.fold_in(rng, 1), train, None)
+        return tuple(
+            self.cosine_scale * cosine_similarity(a, b)[:, None] if kind == COSINE else a
+            for kind, a, b in zip(self.head_kinds, out, out_b))
+
+    def _apply_once(self, params, features, batch, rng, train, embedding_perturbation):
         if embedding_perturbation is not None:
             features = dict(features, embedding_perturbation=embedding_perturbation)
         dropout = train and (self.config.dropout_rate > 0 or self.config.attention_dropout_rate > 0

@@ -224,7 +224,7 @@ class ConditionedBertClassifier(nn.Module):
             outputs.append(x)
         if self.shared_layers is not None:
             x = self.shared_layers(x, mask, deterministic)
-        pool = encoder.SEQUENCE in (self.head_kinds or (encoder.SEQUENCE,))
+        pool = encoder.needs_pooling(self.head_kinds)
         pooled = bert.pool_hidden(x, mask, self.pooler, self.pooling) if pool else None
         return tuple(outputs), x, pooled
 
@@ -245,11 +245,12 @@ class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
                  num_labels: int | Sequence[int] = (2,), num_tasks: int | None = None,
                  classifier_dropout: float | None = None, loss_normalization: str = "global",
                  shared_layers: int = 0, frozen_layers: int | str = 0, pooling: str = "cls",
-                 head_kinds: str | Sequence[str] | None = None):
+                 head_kinds: str | Sequence[str] | None = None, cosine_scale: float = 5.0):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
-                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds)
+                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds,
+                         cosine_scale=cosine_scale)
         bert.refuse_scan_layers(type(self).__name__, self.config)
         self.module = ConditionedBertClassifier(
             config=self.config, num_labels=self.num_labels,
@@ -379,7 +380,7 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
                  pals_size: int = 204, pals_heads: int = 6,
                  pal_layers: Sequence[int] | None = None, shared_layers: int = 0,
                  frozen_layers: int | str = 0, pooling: str = "cls",
-                 head_kinds: str | Sequence[str] | None = None):
+                 head_kinds: str | Sequence[str] | None = None, cosine_scale: float = 5.0):
         _check_int("PalsClassifierModel", "pals_size", pals_size)
         _check_int("PalsClassifierModel", "pals_heads", pals_heads)
         if pals_size % pals_heads:
@@ -390,7 +391,8 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
-                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds)
+                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds,
+                         cosine_scale=cosine_scale)
 
     def _conditioning(self) -> nn.Module:
         c = self.config

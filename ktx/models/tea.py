@@ -152,7 +152,7 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
                  injection: str = "qkv", task_layers: Sequence[int] | None = None,
                  task_embedding_dim: int = 32, activation: str = "tanh",
                  shared_layers: int = 0, frozen_layers: int | str = 0, pooling: str = "cls",
-                 head_kinds: str | Sequence[str] | None = None):
+                 head_kinds: str | Sequence[str] | None = None, cosine_scale: float = 5.0):
         if injection not in INJECTIONS:
             raise ValueError(f"TeaClassifierModel.injection={injection!r}; accepted: {INJECTIONS}")
         if injection == "input" and task_layers is not None:
@@ -171,7 +171,8 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
         super().__init__(config, num_labels=num_labels, num_tasks=num_tasks,
                          classifier_dropout=classifier_dropout,
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
-                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds)
+                         frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds,
+                         cosine_scale=cosine_scale)
 
     def _conditioning(self) -> nn.Module:
         c = self.config
