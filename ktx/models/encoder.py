@@ -198,10 +198,11 @@ class BertClassifier(bert.BertEncoder):
 
 def cosine_similarity(u: jax.Array, v: jax.Array, eps: float = 1e-8) -> jax.Array:
     """`[B]` cosine of `[B, E]` rows (float32), each norm floored at `eps` as torch's
-    `cosine_similarity` (an all-zero vector gives 0)."""
+    `cosine_similarity`: an all-zero vector (the mean-pooled all-padding second text of a
+    row whose task has no cosine head) gives 0, with a finite gradient."""
     u, v = jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32)
-    nu = jnp.maximum(jnp.linalg.norm(u, axis=-1), eps)
-    nv = jnp.maximum(jnp.linalg.norm(v, axis=-1), eps)
+    nu = jnp.sqrt(jnp.maximum(jnp.sum(u * u, axis=-1), eps * eps))
+    nv = jnp.sqrt(jnp.maximum(jnp.sum(v * v, axis=-1), eps * eps))
     return jnp.sum(u * v, axis=-1) / (nu * nv)
 
 

@@ -40,6 +40,8 @@ METHODS = {
                        ["runs/mt_uncertainty.gin"],
                        ["--gin.BATCH_SIZE=96", "--gin.MT_UNCERTAINTY_ROWS=32",
                         f"--gin.MT_UNCERTAINTY_PROXIES={PROXY}"]),
+    "cosine_sts": ("plain multi-task, STS on a cosine head (sentences encoded alone)",
+                   ["experiments/cs224n_encoders/cosine_sts.gin"], []),
     "slapbert": ("shared top layer + PCGrad (mixed batches)",
                  ["conditioning/shared_layer.gin", "optim/pcgrad.gin"], []),
 }

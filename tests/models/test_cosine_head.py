@@ -23,7 +23,8 @@ COUNTS = (4, 4)  # task 0: 3 classes (sequence head); task 1: a score (cosine he
 
 
 def _model(kind, **kwargs):
-    return options_model(kind, num_labels=(3, 1), head_kinds=("sequence", "cosine"), **kwargs)
+    return options_model(kind, **{"num_labels": (3, 1), "head_kinds": ("sequence", "cosine"),
+                                  "pooling": "mean", **kwargs})
 
 
 def _batch():
@@ -31,6 +32,7 @@ def _batch():
     ids_b = (np.arange(B * L).reshape(B, L) * 5) % 37 + 2
     ids_b[:, 6:] = 0
     ids_b[5, 3:] = 0
+    ids_b[:4] = 0  # task 0's rows: no second text, as the input pipeline gives them
     batch["input_ids_b"] = jnp.asarray(ids_b, jnp.int32)
     batch["attention_mask_b"] = jnp.asarray(ids_b > 0, jnp.int32)
     batch["label"] = jnp.asarray([0, 2, 1, 0, 4.5, 1.0, 0.0, 3.25], jnp.float32)
@@ -54,7 +56,7 @@ def _pooled(kind, model, params, batch):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cosine_of_the_separately_encoded_texts(kind):
-    model = _model(kind, pooling="mean")
+    model = _model(kind)
     batch = _batch()
     params = _params(model)
     assert set(params["task_heads"]) == {"task_0"}  # a cosine head has no parameters
@@ -63,19 +65,21 @@ def test_cosine_of_the_separately_encoded_texts(kind):
                   token_type_ids=jnp.zeros_like(batch["input_ids_b"]),
                   attention_mask=batch["attention_mask_b"])
     v = np.asarray(_pooled(kind, model, params, second), np.float64)
+    u, v = u[4:], v[4:]  # task 1's rows
     cos = (u * v).sum(-1) / np.linalg.norm(u, axis=-1) / np.linalg.norm(v, axis=-1)
     logits = model.logits(params, batch)
     assert logits[1].shape == (B, 1)
-    np.testing.assert_allclose(logits[1][:, 0], 5.0 * cos, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(logits[1][4:, 0], 5.0 * cos, rtol=1e-4, atol=1e-5)
+    assert not np.asarray(logits[1][:4]).any()  # a mean of nothing is 0: a cosine of 0
 
     sums, aux = model.loss_sums(params, batch, None, False)
-    err = (5.0 * cos[4:] - np.asarray(batch["label"][4:])) ** 2
+    err = (5.0 * cos - np.asarray(batch["label"][4:])) ** 2
     np.testing.assert_allclose(sums[1], err.sum(), rtol=1e-4)
     np.testing.assert_allclose(aux["squared_error"][1], err.sum(), rtol=1e-4)
 
 
 def test_cosine_scale_and_the_attention_mask_default():
-    model = encoder.EncoderClassifierModel(CONFIG, num_labels=(3, 1),
+    model = encoder.EncoderClassifierModel(CONFIG, num_labels=(3, 1), pooling="mean",
                                            head_kinds=("sequence", "cosine"), cosine_scale=1.0)
     batch = _batch()
     params = _params(model)
@@ -100,6 +104,8 @@ def test_task_blocks_and_vjp_give_the_whole_batch_gradient_under_dropout(kind):
         params)
     assert not np.allclose(jax.jit(lambda p: model.task_losses(p, batch, None, False)[0])(params),
                            want)  # dropout on
+    # Task 0's rows have no second text (a zero vector under mean pooling): still finite.
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(plain))
     for method in ("blocks", "vjp") if kind == "plain" else ("blocks",):
         losses, _, tg = jax.jit(lambda p: compute_task_gradients(
             lambda q, b: model.loss_sums(q, b, rng, True), normalizer, p, batch,
