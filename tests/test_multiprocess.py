@@ -35,6 +35,9 @@ def _flags(model_gin: pathlib.Path, model_dir: pathlib.Path) -> list[str]:
         "--gin.TRAIN_STEPS=3", "--gin.BATCH_SIZE=16", "--gin.NUM_PARTITIONS=2",
         "--gin.train_script.train.log_period=1",
         "--gin.train_script.train.checkpoint_period=3",
+        # Every process reads the whole tasks (the one-process stream, sliced): the two
+        # runs see the same rows. Sharded input: tests/test_multiprocess_faults.py.
+        "--gin.pipeline.MultiTaskInput.shard_by_process=False",
     ]
 
 

@@ -76,6 +76,7 @@ __all__ = [
     "annealed_rates",
     "largest_remainder_counts",
     "apportion_rows",
+    "apportion_rows_many",
     "parse_mixing",
 ]
 
@@ -225,6 +226,47 @@ def apportion_rows(num_rows: int, shares: Sequence[float]) -> np.ndarray:
     return out
 
 
+def _round_ratio(n: np.ndarray, num: int, den: int) -> np.ndarray:
+    """`[N]` int64 `floor((2 n num + den) / (2 den))` (`round(n * num / den)`, halves up)
+    for int64 `n >= 0` and Python ints `0 <= num <= den < 2**62`, exactly: a float64
+    estimate corrected with the remainder, which is small, computed modulo 2**64."""
+    est = np.floor(n.astype(np.float64) * (num / den) + 0.5).astype(np.int64)
+    with np.errstate(over="ignore"):
+        rem = (n.astype(np.uint64) * np.uint64(2 * num) + np.uint64(den)
+               - est.astype(np.uint64) * np.uint64(2 * den)).astype(np.int64)
+    while True:  # |estimate error| <= 1 for n < 2**50; a few passes at most
+        low, high = rem < 0, rem >= 2 * den
+        if not (low.any() or high.any()):
+            return est
+        est = est - low + high
+        rem = rem + 2 * den * low.astype(np.int64) - 2 * den * high.astype(np.int64)
+
+
+def apportion_rows_many(num_rows: np.ndarray, shares: Sequence[float]) -> np.ndarray:
+    """`[N, T]` int64: row `k` is `apportion_rows(num_rows[k], shares)`, vectorised over
+    `num_rows` (`[N]` ints >= 0, below 2**50) with the same exact integer rounding."""
+    weights = _integer_shares(_sizes(shares, "shares"))
+    n = np.asarray(num_rows, np.int64).reshape(-1)
+    if np.any(n < 0) or np.any(n >= 2**50):
+        raise ValueError(f"num_rows has values outside [0, 2**50): {n.min()}..{n.max()}")
+    if n.any() and not any(weights):
+        raise ValueError(f"shares={list(shares)!r}: at least one must be > 0 to apportion rows")
+    out = np.zeros((n.size, len(weights)), np.int64)
+    stack = [(0, len(weights), n)]
+    while stack:
+        lo, hi, rows = stack.pop()
+        if hi - lo == 1:
+            out[:, lo] += rows
+            continue
+        mid = (lo + hi) // 2
+        left_w, total_w = sum(weights[lo:mid]), sum(weights[lo:hi])
+        if total_w == 0:  # only reached with rows == 0 (as in apportion_rows)
+            continue
+        left = _round_ratio(rows, left_w, total_w)
+        stack += [(lo, mid, left), (mid, hi, rows - left)]
+    return out
+
+
 def _base_and_shares(rates: np.ndarray, batch_size: int, min_count: int) -> tuple[np.ndarray, np.ndarray]:
     """(`[T]` rows every batch, `[T]` shares of the remaining rows) for carried quotas."""
     positive = rates > 0
@@ -326,6 +368,30 @@ class RateSchedule:
             total += self._within(k, int(self.starts[k + 1] - self.starts[k]))
         return total + self._within(piece, int(step - self.starts[piece]))
 
+    def _within_many(self, piece: int, steps: np.ndarray) -> np.ndarray:
+        """`[N, T]` rows of the first `steps[k]` steps of `piece` (`_within`, vectorised)."""
+        rows = steps[:, None] * self.counts[piece][None, :]
+        if self._remaining[piece]:
+            rows = rows + apportion_rows_many(steps * int(self._remaining[piece]), self.shares[piece])
+        return rows
+
+    def consumed_before_many(self, steps: Sequence[int] | np.ndarray) -> np.ndarray:
+        """`[N, T]` int64: row `k` is `consumed_before(steps[k])`, vectorised over steps
+        (numpy, no Python loop over them)."""
+        steps = np.asarray(steps, np.int64).reshape(-1)
+        if steps.size and steps.min() < 0:
+            raise ValueError(f"steps has a negative value {int(steps.min())}; accepted: ints >= 0")
+        pieces = np.searchsorted(self.starts, steps, side="right") - 1
+        out = np.zeros((steps.size, self.num_tasks), np.int64)
+        before = np.zeros(self.num_tasks, np.int64)  # rows of the full pieces before piece k
+        for k in range(self.starts.size):
+            sel = pieces == k
+            if sel.any():
+                out[sel] = before + self._within_many(k, steps[sel] - self.starts[k])
+            if k + 1 < self.starts.size:
+                before = before + self._within(k, int(self.starts[k + 1] - self.starts[k]))
+        return out
+
     def rate_sum_before(self, step: int) -> np.ndarray:
         """`[T]` sum of the rates over steps `0 .. step - 1` (expected rows / batch size)."""
         piece = self._piece(step)
@@ -349,6 +415,16 @@ class TaskPerBatchSchedule(RateSchedule):
         tasks = np.flatnonzero(rates > 0)
         turns = np.zeros(rates.size, np.int64)
         turns[tasks] = steps // tasks.size + (np.arange(tasks.size) < steps % tasks.size)
+        return self.batch_size * turns
+
+
+    def _within_many(self, piece: int, steps: np.ndarray) -> np.ndarray:
+        rates = self.rates[piece]
+        if self.batches == "task_per_batch":
+            return self.batch_size * apportion_rows_many(steps, rates)
+        tasks = np.flatnonzero(rates > 0)
+        turns = np.zeros((steps.size, rates.size), np.int64)
+        turns[:, tasks] = steps[:, None] // tasks.size + (np.arange(tasks.size)[None, :] < (steps % tasks.size)[:, None])
         return self.batch_size * turns
 
 

@@ -38,7 +38,42 @@ Each process gathers only its own rows: rows `[i * B / P, (i + 1) * B / P)` of t
 global batch for `process_index = i` of `P`; `jax.make_array_from_process_local_data`
 (`ktx.partitioning.host_local_to_global`) assembles the global array.
 
-Memory: the cache holds every converted row of every task in compact dtypes (tokens
+Sharded input (`shard_by_process`). Unsharded, every process reads and caches every task
+in full and gathers its rows of the one global stream above. Sharded, process `i` reads
+only shard `i` of `P` of each task's training split (`task.get_dataset(...,
+shard_info=seqio.ShardInfo(i, P))`: ktx's sources, and SeqIO for a
+`FunctionDataSource`, split the examples round-robin, so shard sizes differ by at most
+one row; a file-sharded source (SeqIO's offline cache with at least `P` files) splits by
+file). The processes exchange their shard sizes once (an all-gather; processes simulated
+in one, with `process_index` / `process_count` given, read the other shards to count
+them): `task_sizes` is GLOBAL, the sum over the shards, so the mixing schedule, the counts
+and the task layout of the global batch are those of the unsharded input, while
+`shard_task_sizes` is this process's shard. The process's rows of step `s` keep the
+layout: `process_task_counts(s)[t]`, the overlap of task `t`'s block with its row range,
+come from its own shard, in a per-(seed, task, shard epoch, process) permutation of the
+shard, read as a stream from the position `shard_cursors(s)[t]` = the sum of those overlaps
+over the steps before `s`: every row of a shard is read once per shard epoch (epochs are
+per shard: `shard_epochs_seen`; `epochs_seen` stays global). `shard_cursors` is
+vectorised over the steps with numpy (about 0.2 s at step 1e6 for 3 tasks; no batch
+replayed) and advanced by one step's overlaps while iterating, so a resumed process
+recomputes its position from the step alone. The sampled layout draws each row's
+example from the process's shard.
+
+A task's rows of a mixed task-partitioned batch lie on the few processes its block
+overlaps, so its shard on any other process would never be read, and the shards it is
+spread over are read at different paces (their processes' shares of its rows). The
+default (`shard_by_process=None`) therefore shards only when every process supplies rows
+of every task at the same pace: layout "sampled", one task per batch
+(`Mixing(batches="task_per_batch" | "round_robin")`: each process supplies `B / P` rows
+of the batch's task) or a single task; a mixed task-partitioned batch of several tasks
+reads every task in full, with a warning. `shard_by_process=True` forces sharding there
+and warns, per task, with each process's share of its rows and the shards never read.
+Evaluation (`eval_batches`, `eval_arrays`) always reads the whole evaluation split in
+every process, sharded or not. With `process_count == 1`, or `shard_by_process=False`,
+batches are those of the unsharded input (bit-identical).
+
+Memory: the cache holds every converted row of every task (of this process's shards,
+sharded: about `1 / P` of it) in compact dtypes (tokens
 uint16 for vocabularies under 65,536 ids, loss weights uint8): at most `2 Le + 5 Ld + 2` bytes
 per unpacked row (1,186 at 512/32; ~0.1 GB per 100k examples), packing adding segment
 ids and positions. `cache_nbytes` reports it. The cache is unsuitable for corpora that
@@ -50,6 +85,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -75,6 +111,31 @@ LAYOUTS = ("task_partitioned", "sampled")
 TASK_KINDS = ("enc_dec", "encoder", "mlm")
 _KIND_NAMES = {"enc_dec": "encoder-decoder", "encoder": "encoder", "mlm": "masked-LM"}
 _CACHE_FORMAT = 1
+_SHARD_SEED = 0x5A4D  # keeps a shard's permutations apart from the whole task's
+
+
+def _get_dataset(seqio_task: seqio.Task, shard: seqio.ShardInfo | None, **kwargs):
+    """`seqio_task.get_dataset(**kwargs)` of one shard (`shard_info`) or of the whole split.
+
+    SeqIO hands `shard_info` to the task's source when the source says it supports
+    arbitrary sharding or lists at least `num_shards` shards of the split (ktx's sources
+    shard their examples with `tf.data.Dataset.shard`), else it shards the source's
+    examples itself (`seqio.FunctionDataSource`). A source that would be handed
+    `shard_info` but whose `get_dataset` does not take it raises, naming the task.
+    """
+    if shard is None:
+        return seqio_task.get_dataset(**kwargs)
+    source = seqio_task.source
+    if not kwargs.get("use_cached") and (
+            source.supports_arbitrary_sharding
+            or len(source.list_shards(kwargs["split"])) >= shard.num_shards):
+        if "shard_info" not in inspect.signature(source.get_dataset).parameters:
+            raise ValueError(
+                f"task {seqio_task.name!r}: its source {type(source).__name__} is handed "
+                f"shard_info (shard {shard.index} of {shard.num_shards}) but its get_dataset "
+                "takes no shard_info argument; give it one (read only that shard) or pass "
+                "shard_by_process=False")
+    return seqio_task.get_dataset(shard_info=shard, **kwargs)
 
 
 def _get_provider(name: str) -> seqio.Task | seqio.Mixture:
@@ -182,7 +243,8 @@ class MultiTaskInput:
         Beam's shuffled order, so a cached run's batches differ from an uncached run's with
         the same seed (the same examples; cached runs agree with each other).
       cache_dir: when set, converted arrays are saved to / loaded from
-        `<cache_dir>/<task>/<split>-<hash>.npz` (hash of lengths, pack and seed).
+        `<cache_dir>/<task>/<split>-<hash>.npz` (hash of lengths, pack and seed; and of the
+        shard, `(index, num_shards)`, when sharded).
       process_index, process_count: this process and the number of processes
         (default: `jax.process_index()`, `jax.process_count()`).
       min_rows_per_task: rows per batch guaranteed to each task with a positive rate
@@ -203,6 +265,13 @@ class MultiTaskInput:
       seqio_cache_dir: with `use_cached`: the folder `ktx cache --cache_dir` wrote, added
         to SeqIO's global cache directories (`seqio.add_global_cache_dirs`); None: the
         tasks must be cached in those already set.
+      shard_by_process: read only shard `process_index` of `process_count` of every task's
+        training split (`seqio.ShardInfo`; module docstring, "Sharded input"). None: True
+        when `process_count > 1` and every process supplies rows of every task at the same
+        pace (layout "sampled", one task per batch, or a single task); a mixed
+        task-partitioned batch of several tasks reads every task in full (as with False),
+        with a warning saying why. Ignored (False) when `process_count == 1`. From gin:
+        `pipeline.MultiTaskInput.shard_by_process = True`.
     """
 
     def __init__(
@@ -226,6 +295,7 @@ class MultiTaskInput:
         num_labels: int | Sequence[int] | None = None,
         seqio_cache_dir: str | os.PathLike | None = None,
         head_kinds: str | Sequence[str] | None = None,
+        shard_by_process: bool | None = None,
     ):
         if seqio_cache_dir is not None and not use_cached:
             raise ValueError(f"seqio_cache_dir={seqio_cache_dir!r} is read only with use_cached=True")
@@ -288,16 +358,149 @@ class MultiTaskInput:
         # Every row of a mixture with a tagging task has the tagging features.
         self.tagging = self.kind == "encoder" and any(s.is_tagging for s in self.label_spaces)
 
-        self._train = [self._load(t, split, pack=self.pack) for t in range(self.num_tasks)]
+        if shard_by_process is not None and not isinstance(shard_by_process, (bool, np.bool_)):
+            raise TypeError(f"shard_by_process={shard_by_process!r}; accepted: True, False or None")
+        self.shard_by_process = shard_by_process
+        self.sharded = self._resolve_sharding(shard_by_process)
+        shard = self.shard_info
+        self._train = [self._load(t, split, pack=self.pack, shard=shard) for t in range(self.num_tasks)]
         self._eval: dict[tuple[str, str], dict[str, np.ndarray]] = {}
-        self.task_sizes: tuple[int, ...] = tuple(int(a["task_id"].shape[0]) for a in self._train)
+        local = [int(a["task_id"].shape[0]) for a in self._train]
+        # `[P, T]` rows of every process's shard of every task (`[1, T]` unsharded).
+        self.shard_sizes: np.ndarray = self._gather_shard_sizes(local) if self.sharded \
+            else np.asarray([local], np.int64)
+        # GLOBAL rows per task (all shards together): what the mixing schedule is made of.
+        self.task_sizes: tuple[int, ...] = tuple(int(n) for n in self.shard_sizes.sum(axis=0))
         self.min_rows_per_task = int(min_rows_per_task)
         self._setup_schedule()
         logging.info(
-            "MultiTaskInput %s/%s: rows per task %s, %.1f MB cached, counts at step 0 %s",
-            mixture_or_task_name, split, dict(zip(self.task_names, self.task_sizes)),
-            self.cache_nbytes / 2**20, self.schedule.counts_at(0),
+            "MultiTaskInput %s/%s: %s, global rows per task %s, this process's rows %s, "
+            "%.1f MB cached, counts at step 0 %s",
+            mixture_or_task_name, split,
+            f"process {self.process_index} of {self.process_count} reads shard "
+            f"{self.process_index} of {self.process_count} of every task" if self.sharded
+            else "every task read in full", dict(zip(self.task_names, self.task_sizes)),
+            dict(zip(self.task_names, self.shard_task_sizes)), self.cache_nbytes / 2**20,
+            self.schedule.counts_at(0),
         )
+
+    # ------------------------------------------------------------------------ sharding
+    @property
+    def shard_info(self) -> seqio.ShardInfo | None:
+        """This process's shard of every task's training split; None: read in full."""
+        return seqio.ShardInfo(self.process_index, self.process_count) if self.sharded else None
+
+    @property
+    def shard_task_sizes(self) -> tuple[int, ...]:
+        """Rows of each task this process holds: its shard (sharded) or the whole task."""
+        return tuple(int(n) for n in self.shard_sizes[self.process_index if self.sharded else 0])
+
+    def _mixes_tasks_in_blocks(self) -> bool:
+        """Whether batches are task-partitioned with several tasks sharing a batch: each
+        task's rows then lie on the processes its block overlaps, not on all of them."""
+        return (self.layout == "task_partitioned" and self.mixing.batches == "mixed"
+                and self.num_tasks > 1)
+
+    def _resolve_sharding(self, shard_by_process: bool | None) -> bool:
+        if self.process_count == 1:
+            return False
+        if shard_by_process is not None:
+            return bool(shard_by_process)
+        if self._mixes_tasks_in_blocks():
+            logging.warning(
+                "MultiTaskInput %s: every process reads every task in full: with "
+                "task-partitioned mixed batches each task's rows lie on the few processes its "
+                "block overlaps, so the other processes' shards of it would never be read. "
+                "Shard the input with layout='sampled' or Mixing(batches='task_per_batch' or "
+                "'round_robin'), or force it with shard_by_process=True",
+                self.mixture_or_task_name)
+            return False
+        return True
+
+    def _gather_shard_sizes(self, local: Sequence[int]) -> np.ndarray:
+        """`[P, T]` every process's shard sizes: an all-gather across the JAX processes,
+        or, for processes simulated in this one (`process_count` given, not
+        `jax.process_count()`), the other shards read here (their sizes kept)."""
+        if jax.process_count() == self.process_count and jax.process_index() == self.process_index:
+            from jax.experimental import multihost_utils
+
+            if max(local, default=0) >= 2**31:
+                raise ValueError(f"shard sizes {local} exceed int32; shard_by_process=False")
+            sizes = np.asarray(multihost_utils.process_allgather(np.asarray(local, np.int32)), np.int64)
+            return sizes.reshape(self.process_count, self.num_tasks)
+        sizes = np.zeros((self.process_count, self.num_tasks), np.int64)
+        for i in range(self.process_count):
+            for t in range(self.num_tasks):
+                sizes[i, t] = local[t] if i == self.process_index else self._load(
+                    t, self.split, pack=self.pack,
+                    shard=seqio.ShardInfo(i, self.process_count))["task_id"].shape[0]
+        return sizes
+
+    def _check_shards(self) -> None:
+        """Every shard of a task with a positive rate has rows; with task-partitioned mixed
+        batches, warn about shards whose process gets no rows of their task."""
+        positive = (self.schedule.rates > 0).any(axis=0)
+        for t, name in enumerate(self.task_names):
+            empty = np.flatnonzero(self.shard_sizes[:, t] == 0)
+            if positive[t] and empty.size:
+                raise ValueError(
+                    f"task {name!r} has {self.task_sizes[t]} rows in split {self.split!r}: its "
+                    f"shards {empty.tolist()} of {self.process_count} are empty but the task has "
+                    "a positive mixing rate; use shard_by_process=False")
+        if not self._mixes_tasks_in_blocks():
+            return
+        window = [np.arange(start, start + 2048) for start in self.schedule.starts]
+        steps = np.unique(np.concatenate(window))
+        rows = np.stack([self._process_rows(steps, i).sum(axis=0)
+                         for i in range(self.process_count)])  # [P, T]
+        share = rows / np.maximum(rows.sum(axis=0, keepdims=True), 1)
+        for t, name in enumerate(self.task_names):
+            never = np.flatnonzero(positive[t] & (rows[:, t] == 0))
+            if never.size or np.ptp(share[:, t]) > 0.01:
+                logging.warning(
+                    "shard_by_process=True with task-partitioned mixed batches: task %r's rows "
+                    "come from the processes its block overlaps (shares of its rows per "
+                    "process %s)%s; each shard is read at its own process's pace. "
+                    "layout='sampled' or one task per batch reads all shards evenly",
+                    name, np.round(share[:, t], 3).tolist(),
+                    f"; the shards of processes {never.tolist()} are never read" if never.size else "")
+
+    def _process_rows(self, steps: np.ndarray, process_index: int) -> np.ndarray:
+        """`[N, T]` rows of each task that process `process_index` supplies at each of
+        `steps` (task-partitioned layout): its row range's overlap with the task blocks."""
+        lo = process_index * self.local_batch_size
+        hi = lo + self.local_batch_size
+        consumed = self.schedule.consumed_before_many(np.concatenate([steps, steps + 1]))
+        counts = consumed[steps.size:] - consumed[:steps.size]
+        ends = np.cumsum(counts, axis=1)
+        return np.clip(ends, lo, hi) - np.clip(ends - counts, lo, hi)
+
+    def process_task_counts(self, step: int) -> tuple[int, ...] | None:
+        """Rows of each task among THIS process's rows of the global batch of `step`
+        (task-partitioned layout; they sum to `local_batch_size`); None for "sampled"."""
+        if self.layout == "sampled":
+            return None
+        rows = self._process_rows(np.array([self._step(step)]), self.process_index)[0]
+        return tuple(int(n) for n in rows)
+
+    def shard_cursors(self, step: int) -> np.ndarray:
+        """`[T]` int64 rows of each task THIS process supplied in the batches before `step`
+        (task-partitioned layout): its position in its shard's stream, epochs included.
+        Unsharded, or with one process, `RateSchedule.consumed_before` (global). Computed
+        from the last step asked for when that is earlier (iterating costs O(1) a step), else
+        vectorised over the steps from 0 (~0.5 s per million steps; no batch replayed)."""
+        step = self._step(step)
+        if self.layout == "sampled":
+            raise ValueError("shard_cursors: layout='sampled' reads no stream (each row is drawn)")
+        if not self.sharded:
+            return self.schedule.consumed_before(step)
+        start, cursor = self._cursor_at if self._cursor_at[0] <= step else (0, np.zeros(self.num_tasks, np.int64))
+        chunk = 1 << 18
+        for a in range(start, step, chunk):
+            cursor = cursor + self._process_rows(np.arange(a, min(step, a + chunk)),
+                                                 self.process_index).sum(axis=0)
+        self._cursor_at = (step, cursor)
+        return cursor
 
     def _setup_schedule(self) -> None:
         if self.layout == "sampled" and self.mixing.batches != "mixed":
@@ -305,6 +508,7 @@ class MultiTaskInput:
                 f"layout='sampled' draws each row's task; Mixing(batches={self.mixing.batches!r}) "
                 "puts one task in each batch: use layout='task_partitioned'")
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
+        self._cursor_at: tuple[int, np.ndarray] = (0, np.zeros(self.num_tasks, np.int64))
         self.steps_per_epoch = max(1, sum(self.task_sizes) // self.batch_size)
         self.schedule = self.mixing.schedule(
             self.task_sizes,
@@ -329,6 +533,8 @@ class MultiTaskInput:
                     "min_rows_per_task or the batch size, or use layout='sampled'",
                     name, float(self.schedule.rates[0, t]), self.batch_size,
                 )
+        if self.sharded:
+            self._check_shards()
 
     def replace(
         self,
@@ -342,7 +548,14 @@ class MultiTaskInput:
         min_rows_per_task: int | None = None,
     ) -> "MultiTaskInput":
         """A new input over the same cached rows with some batching options changed
-        (no data is re-read; `mixing=None` keeps the current mixing)."""
+        (no data is re-read; `mixing=None` keeps the current mixing). A sharded input
+        keeps its process (it holds that process's shards only)."""
+        if self.sharded and ((process_index is not None and process_index != self.process_index)
+                             or (process_count is not None and process_count != self.process_count)):
+            raise ValueError(
+                f"process_index={process_index!r}, process_count={process_count!r}: this input "
+                f"holds shard {self.process_index} of {self.process_count} of every task; build a "
+                "new MultiTaskInput for another process")
         new = copy.copy(self)
         new.batch_size = self.batch_size if batch_size is None else int(batch_size)
         new.seed = self.seed if seed is None else int(seed)
@@ -393,14 +606,28 @@ class MultiTaskInput:
         return self.schedule.rates_at(self._step(step))
 
     def epochs_seen(self, step: int) -> np.ndarray:
-        """`[T]` passes over each task's rows made by the batches before `step`
-        (task-partitioned layout; the expected number for the sampled one)."""
+        """`[T]` GLOBAL passes over each task's rows (all processes' rows of the batches
+        before `step` / the task's rows in all shards; task-partitioned layout; the expected
+        number for the sampled one). Sharded, each process's own: `shard_epochs_seen`."""
         step = self._step(step)
         if self.layout == "sampled":
             consumed = self.batch_size * self.schedule.rate_sum_before(step)
         else:
             consumed = self.schedule.consumed_before(step).astype(np.float64)
         return consumed / np.maximum(np.asarray(self.task_sizes, np.float64), 1)
+
+    def shard_epochs_seen(self, step: int) -> np.ndarray:
+        """`[T]` passes THIS process made over the rows it holds of each task (its shard
+        when sharded, else the whole task) in the batches before `step` (the expected
+        number for the sampled layout)."""
+        step = self._step(step)
+        if self.layout == "sampled":
+            consumed = self.local_batch_size * self.schedule.rate_sum_before(step)
+        elif self.sharded:
+            consumed = self.shard_cursors(step).astype(np.float64)
+        else:  # every process reads the global stream
+            consumed = self.schedule.consumed_before(step).astype(np.float64)
+        return consumed / np.maximum(np.asarray(self.shard_task_sizes, np.float64), 1)
 
     # ---------------------------------------------------------------------------- batches
     def get_batch(self, step: int) -> dict[str, np.ndarray]:
@@ -412,15 +639,25 @@ class MultiTaskInput:
         if self.layout == "sampled":
             return self._sampled_batch(step, lo, hi)
         counts = np.asarray(self.schedule.counts_at(step), np.int64)
-        cursors = self.schedule.consumed_before(step)
         block_starts = np.concatenate([[0], np.cumsum(counts)])
+        if self.sharded:  # this process's own stream of its shard
+            cursors = self.shard_cursors(step)
+            rows = np.zeros(self.num_tasks, np.int64)
+        else:
+            cursors = self.schedule.consumed_before(step)
         parts = []
         for t in range(self.num_tasks):
             a, b = max(lo, block_starts[t]), min(hi, block_starts[t + 1])
             if a >= b:
                 continue
-            positions = cursors[t] + np.arange(a - block_starts[t], b - block_starts[t])
+            if self.sharded:
+                positions = cursors[t] + np.arange(b - a)
+                rows[t] = b - a
+            else:
+                positions = cursors[t] + np.arange(a - block_starts[t], b - block_starts[t])
             parts.append(self._gather(t, self._indices(t, positions)))
+        if self.sharded:
+            self._cursor_at = (step + 1, cursors + rows)
         return self._concat(parts)
 
     def _sampled_batch(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
@@ -432,7 +669,8 @@ class MultiTaskInput:
                for k, v in self._train[0].items()}
         for t in np.unique(tasks):
             rows = np.nonzero(tasks == t)[0]
-            indices = np.minimum((picks[rows] * self.task_sizes[t]).astype(np.int64), self.task_sizes[t] - 1)
+            size = self.shard_task_sizes[t]  # this process's shard when sharded
+            indices = np.minimum((picks[rows] * size).astype(np.int64), size - 1)
             for k, v in self._gather(int(t), indices).items():
                 out[k][rows] = v
         return out
@@ -466,7 +704,8 @@ class MultiTaskInput:
     def eval_arrays(self, task_name: str, split: str = "validation") -> dict[str, np.ndarray]:
         """All converted (unpacked, compact) rows of one task's split, with `task_id`."""
         key = (task_name, split)
-        if split == self.split and not self.pack:  # the rows already read for batches
+        # The rows already read for batches (all of them: not when they are a shard).
+        if split == self.split and not self.pack and not self.sharded:
             return self._train[self.task_id(task_name)]
         if key not in self._eval:
             self._eval[key] = self._load(self.task_id(task_name), split, pack=False)
@@ -483,13 +722,15 @@ class MultiTaskInput:
         if key not in self._permutations:
             if len(self._permutations) >= 2 * self.num_tasks + 2:
                 self._permutations.pop(next(iter(self._permutations)))  # oldest first
-            self._permutations[key] = np.random.default_rng([self.seed, task, epoch]).permutation(
-                self.task_sizes[task]
-            )
+            seed = [self.seed, task, epoch]
+            if self.sharded:  # a permutation of this process's shard
+                seed += [_SHARD_SEED, self.process_index, self.process_count]
+            self._permutations[key] = np.random.default_rng(seed).permutation(
+                self.shard_task_sizes[task])
         return self._permutations[key]
 
     def _indices(self, task: int, positions: np.ndarray) -> np.ndarray:
-        size = self.task_sizes[task]
+        size = self.shard_task_sizes[task]  # the task's rows this process holds
         epochs, within = np.divmod(positions, size)
         if not self.shuffle:
             return within
@@ -505,10 +746,13 @@ class MultiTaskInput:
     def _concat(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
-    def _cache_path(self, task_name: str, split: str, pack: bool) -> pathlib.Path | None:
+    def _cache_path(self, task_name: str, split: str, pack: bool,
+                    shard: seqio.ShardInfo | None = None) -> pathlib.Path | None:
         if self.cache_dir is None:
             return None
         fields = [_CACHE_FORMAT, self.task_feature_lengths, pack, self.seed, self.use_cached]
+        if shard is not None:  # one process's shard of the split
+            fields.append(["shard", shard.index, shard.num_shards])
         if self.tagging:  # sequence rows get the tagging features too
             fields.append("tagging")
         if self.kind != "enc_dec":  # the ids depend on the vocabulary
@@ -518,14 +762,16 @@ class MultiTaskInput:
         digest = hashlib.sha1(key.encode()).hexdigest()[:12]
         return self.cache_dir / task_name / f"{split}-{digest}.npz"
 
-    def _load(self, task: int, split: str, *, pack: bool) -> dict[str, np.ndarray]:
+    def _load(self, task: int, split: str, *, pack: bool,
+              shard: seqio.ShardInfo | None = None) -> dict[str, np.ndarray]:
         with files.on_bad_row_policy(self.on_bad_row), \
                 wordpiece.encoder_vocabulary_scope(self.encoder_vocabulary):
-            return self._load_with_policy(task, split, pack=pack)
+            return self._load_with_policy(task, split, pack=pack, shard=shard)
 
-    def _load_with_policy(self, task: int, split: str, *, pack: bool) -> dict[str, np.ndarray]:
+    def _load_with_policy(self, task: int, split: str, *, pack: bool,
+                          shard: seqio.ShardInfo | None) -> dict[str, np.ndarray]:
         name = self.task_names[task]
-        path = self._cache_path(name, split, pack)
+        path = self._cache_path(name, split, pack, shard)
         if path is not None and path.is_file():
             with np.load(path) as data:
                 arrays = {k: data[k] for k in data.files}
@@ -536,11 +782,11 @@ class MultiTaskInput:
         if split not in seqio_task.splits:
             raise ValueError(f"task {name!r} has no split {split!r}; splits: {tuple(seqio_task.splits)}")
         if self.kind == "encoder":
-            arrays = fc.compact(self._convert_encoder(seqio_task, split))
+            arrays = fc.compact(self._convert_encoder(seqio_task, split, shard))
         elif self.kind == "mlm":
-            arrays = fc.compact(self._convert_mlm(seqio_task, split))
+            arrays = fc.compact(self._convert_mlm(seqio_task, split, shard))
         else:
-            arrays = fc.compact(self._convert_enc_dec(seqio_task, split, pack))
+            arrays = fc.compact(self._convert_enc_dec(seqio_task, split, pack, shard))
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
@@ -548,8 +794,9 @@ class MultiTaskInput:
             os.replace(tmp, path)
         return fc.add_task_id(arrays, task, np.uint16)
 
-    def _convert_enc_dec(self, seqio_task: seqio.Task, split: str, pack: bool) -> dict[str, np.ndarray]:
-        ds = seqio_task.get_dataset(
+    def _convert_enc_dec(self, seqio_task: seqio.Task, split: str, pack: bool,
+                         shard: seqio.ShardInfo | None) -> dict[str, np.ndarray]:
+        ds = _get_dataset(seqio_task, shard,
             sequence_length=self.task_feature_lengths,
             split=split,
             use_cached=self.use_cached,
@@ -569,11 +816,12 @@ class MultiTaskInput:
             tokens, self.task_feature_lengths["inputs"], self.task_feature_lengths["targets"], pack=pack
         )
 
-    def _convert_mlm(self, seqio_task: seqio.Task, split: str) -> dict[str, np.ndarray]:
+    def _convert_mlm(self, seqio_task: seqio.Task, split: str,
+                     shard: seqio.ShardInfo | None) -> dict[str, np.ndarray]:
         vocabulary = seqio_task.output_features["text_a"].vocabulary
         cls_id, sep_id = vocabulary.cls_id, vocabulary.sep_id  # a bad file raises here
-        ds = seqio_task.get_dataset(
-            sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
+        ds = _get_dataset(
+            seqio_task, shard, sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
             seed=self.seed, num_epochs=1, trim_output_features=False,
         )
         columns: dict[str, list] = {k: [] for k in mlm_features.MLM_TEXT_FEATURES}
@@ -584,13 +832,14 @@ class MultiTaskInput:
                                         self.task_feature_lengths["inputs"], cls_id=cls_id,
                                         sep_id=sep_id)
 
-    def _convert_encoder(self, seqio_task: seqio.Task, split: str) -> dict[str, np.ndarray]:
+    def _convert_encoder(self, seqio_task: seqio.Task, split: str,
+                         shard: seqio.ShardInfo | None) -> dict[str, np.ndarray]:
         # Read the vocabulary here, so that a bad file raises its own error, not a
         # tf.data one from inside the tokenizer op.
         vocabulary = seqio_task.output_features["text_a"].vocabulary
         cls_id, sep_id = vocabulary.cls_id, vocabulary.sep_id
-        ds = seqio_task.get_dataset(
-            sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
+        ds = _get_dataset(
+            seqio_task, shard, sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
             seed=self.seed, num_epochs=1, trim_output_features=False,
         )
         space = ef.label_space(seqio_task)
