@@ -11,7 +11,7 @@ import pytest
 from ktx import cli, optim
 from ktx.training import optimizers
 from ktx.models import seq2seq, t5
-from ktx.training.precompile import precompile, topology_devices
+from ktx.training.precompile import TEST_CHILD_ENV, precompile, topology_devices
 from tests.tiny_t5_gin import tiny_t5_gin
 
 
@@ -61,6 +61,42 @@ def test_cli_precompile_on_local_devices(tmp_path, capsys):
     assert "topology cpu" in out.out and "arguments" in out.out and "FLOPs/step" in out.out
 
 
+def _tiny_cli_args(tmp_path, *extra):
+    model = tmp_path / "model.gin"
+    model.write_text(tiny_t5_gin(), encoding="utf-8")
+    return ["precompile", "--topology=cpu", "--gin_file=runs/train.gin", f"--gin_file={model}",
+            "--gin.NUM_TASKS=2", "--gin.BATCH_SIZE=8", "--gin.NUM_PARTITIONS=2",
+            "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 4}", *extra]
+
+
+def test_cli_precompile_survives_a_compiler_crash(tmp_path, capsys, monkeypatch):
+    # The test-only hook makes the compile's child process send itself SIGSEGV once the
+    # step is lowered, as libtpu's compiler did on XXL + HyperPrompt-Global on v4-32.
+    monkeypatch.setenv(TEST_CHILD_ENV, "SIGSEGV")
+    code = cli.main(_tiny_cli_args(tmp_path))
+    out = capsys.readouterr()
+    n = len(jax.devices())
+    assert code == 4, out.err
+    lines = [ln for ln in out.err.splitlines() if ln.startswith("ktx")]
+    assert lines == [f"ktx precompile: topology cpu (mesh data={n // 2} x model=2): the compiler's "
+                     "process was killed by SIGSEGV (signal 11): a compiler crash, no figures"], out.err
+    assert "arguments" not in out.out
+
+
+def test_cli_precompile_stops_a_compile_over_its_timeout(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(TEST_CHILD_ENV, "hang")  # the child sleeps where it would compile
+    code = cli.main(_tiny_cli_args(tmp_path, "--timeout=20"))
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert "ktx precompile: topology cpu (mesh " in err
+    assert "ran over the time limit of 20 s and was stopped" in err
+
+
+def test_cli_precompile_rejects_a_non_positive_timeout(tmp_path, capsys):
+    assert cli.main(_tiny_cli_args(tmp_path, "--timeout=0")) == 2
+    assert "--timeout=0; accepted: seconds > 0" in capsys.readouterr().err
+
+
 def test_cli_precompile_needs_a_topology(tmp_path, capsys):
     model = tmp_path / "model.gin"
     model.write_text(tiny_t5_gin(), encoding="utf-8")
@@ -88,3 +124,15 @@ def test_tpu_topology_fits_and_overshoots():
     with pytest.raises(DoesNotFitError, match=r"v5e:2x2.*does not fit.*HBM"):
         precompile(_model(num_tasks=2), optimizers.adamw(1e-3), topology="v5e:2x2",
                    batch_size=4096, task_feature_lengths={"inputs": 8192, "targets": 512})
+
+
+@pytest.mark.skipif(not _tpu_available(), reason="libtpu is not installed (pip install 'ktx[tpu]')")
+def test_cli_precompile_does_not_fit_exits_3_with_xla_figures(tmp_path, capsys):
+    # Through the child process, the does-not-fit path is what it was: exit 3, one line.
+    args = _tiny_cli_args(tmp_path, "--gin.BATCH_SIZE=4096",
+                          "--gin.TASK_FEATURE_LENGTHS={'inputs': 8192, 'targets': 512}")
+    args[1] = "--topology=v5e:2x2"
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "ktx precompile: topology v5e:2x2 (mesh {'data': 2, 'model': 2}, batch 4096): does not fit" in err

@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands["precompile"].add_argument(
         "--topology", default=None,
         help="a TPU topology as JAX names it (v4:4x4x4, v5e:16x16) or cpu")
+    commands["precompile"].add_argument(
+        "--timeout", type=float, default=None,
+        help="seconds the compile (its child process: tracing, lowering, XLA) may take; "
+             "over it, or if the compiler crashes, exit 4 (default: no limit)")
     c = commands["cache"]
     c.add_argument("--tasks", default="", help="tasks or mixtures to cache, comma-separated")
     c.add_argument("--cache_dir", default=None, help="the cache root (local or gs://)")
@@ -152,7 +156,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-_DEFAULTS = dict(args=[], gin_file=[], gin_search_paths="", multihost=False, topology=None,
+_DEFAULTS = dict(args=[], gin_file=[], gin_search_paths="", multihost=False, topology=None, timeout=None,
                  coordinator_address=None, num_processes=None, process_id=None, heartbeat_timeout=100,
                  out=None,
                  checkpoint=None, backbone_only=False, task=None, out_dir=None, split="validation", max_examples=100,
@@ -238,7 +242,7 @@ def _run(args, bindings) -> int:
         _params_command(files, bindings)
         return 0
     if args.command == "precompile":
-        return _precompile_command(args)
+        return _precompile_command(args, bindings)
     if args.command == "cache":
         return _cache_command(args)
     _check_run_macros(args.command)

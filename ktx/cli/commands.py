@@ -109,18 +109,12 @@ def _analyze_attention(args, bindings: Sequence[tuple[str, str]]) -> int:
     return 0
 
 
-def _precompile_command(args) -> int:
-    """`ktx precompile --topology=NAME`: the train step of the gin-configured run
-    (`runs/train.gin` + model + conditioning + optim files) compiled ahead of time for a
-    TPU topology (`ktx.training.precompile`); exit 3 when it does not fit the chips' HBM."""
+def _precompile_kwargs(topology: str) -> dict:
+    """`precompile`'s keyword arguments from the parsed gin configuration (runs/train.gin's
+    `train` bindings, BATCH_SIZE, TASK_FEATURE_LENGTHS); GinConfigError naming what is missing."""
     import gin
     import ktx.runs.train
-    from ktx.training import precompile as precompile_lib
 
-    topology = args.topology or _query_macro("TOPOLOGY")
-    if not topology:
-        raise GinConfigError("ktx precompile needs --topology=NAME (e.g. v4:4x4x4, v5e:16x16) or a "
-                             "gin file binding TOPOLOGY (gin/pods/*.gin)")
     try:
         bound = gin.get_bindings(ktx.runs.train.train, resolve_references=False)
     except ValueError:
@@ -136,15 +130,53 @@ def _precompile_command(args) -> int:
     kwargs = {k: _resolve_reference(bound[k]) for k in (
         "model", "optimizer", "balancer", "num_partitions", "num_microbatches", "grad_method",
         "shared", "additional_rules", "parameter_partitioning_dims", "target_task") if k in bound}
+    return dict(topology=topology, batch_size=int(batch_size), task_feature_lengths=dict(lengths),
+                **kwargs)
+
+
+def _precompile_setup(gin_files, bindings, search_paths, topology: str) -> dict:
+    """In `ktx precompile`'s child process: the same gin parse as the parent's, then
+    `precompile`'s keyword arguments (`_precompile_kwargs`)."""
+    parse_gin(gin_files, bindings, search_paths)
+    return _precompile_kwargs(topology)
+
+
+# `ktx precompile`'s exit statuses besides 0 (fits, or no HBM figure) and 1/2 (a failure /
+# a usage or gin error): the step does not fit the chips' HBM; the compiler crashed or ran
+# over --timeout.
+PRECOMPILE_DOES_NOT_FIT = 3
+PRECOMPILE_COMPILER_DIED = 4
+
+
+def _precompile_command(args, bindings: Sequence[tuple[str, str]] = ()) -> int:
+    """`ktx precompile --topology=NAME [--timeout=SECONDS]`: the train step of the
+    gin-configured run (`runs/train.gin` + model + conditioning + optim files) compiled
+    ahead of time for a TPU topology (`ktx.training.precompile`) in a child process; exit 3
+    when it does not fit the chips' HBM, 4 when the compiler crashed (its process killed
+    by a signal) or ran over `--timeout` seconds."""
+    from ktx.training import precompile as precompile_lib
+
+    topology = args.topology or _query_macro("TOPOLOGY")
+    if not topology:
+        raise GinConfigError("ktx precompile needs --topology=NAME (e.g. v4:4x4x4, v5e:16x16) or a "
+                             "gin file binding TOPOLOGY (gin/pods/*.gin)")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not timeout > 0:
+        raise GinConfigError(f"--timeout={timeout:g}; accepted: seconds > 0 (default: no limit)")
+    kwargs = _precompile_kwargs(topology)  # the parent checks the configuration first
+    search_paths = [p for p in args.gin_search_paths.split(",") if p]
     try:
-        report = precompile_lib.precompile(
-            topology=topology, batch_size=int(batch_size), task_feature_lengths=dict(lengths),
-            **kwargs)
+        report = precompile_lib.precompile_in_child(
+            _precompile_setup, (list(args.gin_file), list(bindings), search_paths, topology),
+            topology=topology, num_partitions=int(kwargs.get("num_partitions", 1)), timeout=timeout)
     except precompile_lib.DoesNotFitError as e:
         print(f"ktx precompile: {e}", file=sys.stderr)
-        return 3
+        return PRECOMPILE_DOES_NOT_FIT
+    except precompile_lib.CompileDiedError as e:
+        print(f"ktx precompile: {e}", file=sys.stderr)
+        return PRECOMPILE_COMPILER_DIED
     print(report.format())
-    return 3 if report.fits is False else 0
+    return PRECOMPILE_DOES_NOT_FIT if report.fits is False else 0
 
 
 _CACHE_USAGE = ("ktx cache --tasks=NAME[,NAME...] --cache_dir=DIR [--splits=train,validation] "

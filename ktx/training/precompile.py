@@ -11,15 +11,24 @@ the chip's HBM and predicts the step time at the chip's peak.
 
 `topology="cpu"` compiles for this process's devices instead (no libtpu needed): the
 same code path, used by the tests.
+
+`precompile_in_child(setup, args, timeout=...)` runs `precompile(**setup(*args))` in a
+spawned child process, so that a compiler that crashes (libtpu's has died with SIGSEGV)
+or runs over the time limit becomes a `CompileDiedError` naming the topology, the mesh
+and the signal or the limit, instead of taking the caller down with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import time
-from collections.abc import Mapping, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,12 +38,27 @@ from ktx import partitioning
 from ktx.models.base import BaseModel
 from ktx.training.trainer import Trainer
 
-__all__ = ["CHIPS", "DoesNotFitError", "PrecompileReport", "precompile", "topology_devices"]
+__all__ = [
+    "CHIPS", "CompileDiedError", "DoesNotFitError", "PrecompileReport", "TEST_CHILD_ENV", "precompile",
+    "precompile_in_child", "topology_devices",
+]
 
 
 class DoesNotFitError(RuntimeError):
     """XLA refused the compile: the step needs more device memory than the chip has (the
     message gives XLA's figures: required vs available)."""
+
+
+class CompileDiedError(RuntimeError):
+    """The compile's child process died (killed by a signal: the compiler crashed) or ran
+    over its time limit and was stopped; the message names the topology, the mesh and how.
+    `signal` is the signal's name (`"SIGSEGV"`) or None for a timeout; `timeout` the limit
+    in seconds when it ran over."""
+
+    def __init__(self, message: str, *, signal: str | None = None, timeout: float | None = None):
+        super().__init__(message)
+        self.signal = signal
+        self.timeout = timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +156,10 @@ def topology_devices(topology: str) -> list[Any]:
     except ImportError as e:  # pragma: no cover - present in every supported jax
         raise RuntimeError(f"jax.experimental.topologies is unavailable: {e}") from e
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", _accelerator_type(topology))
+    # An ahead-of-time compile opens no chip, so libtpu's one-process-per-host lockfile
+    # does not apply: without this, a compile in a child process (`precompile_in_child`)
+    # of a process that has loaded libtpu fails ("libtpu multi-process lockfile").
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown topology
@@ -177,11 +205,13 @@ def precompile(
     additional_rules: Sequence[tuple[str, str | None]] = (),
     parameter_partitioning_dims: int = 1,
     target_task: int = 0,
+    on_compile: Callable[[dict[str, int]], None] | None = None,
 ) -> PrecompileReport:
     """Lowers and compiles one train step for `topology`; see the module docstring.
 
     The batch is `model.input_spec(batch_size, task_feature_lengths)`; a balanced step is
     compiled with equal task blocks (the block sizes a mixture's counts would give).
+    `on_compile(mesh_shape)` is called once the step is lowered, just before XLA compiles it.
     """
     devices = topology_devices(topology)
     mesh = partitioning.create_mesh(num_partitions, devices=devices)
@@ -201,6 +231,8 @@ def precompile(
         capacity = tuple(batch_size // t + (1 if i < batch_size % t else 0) for i in range(t))
     start = time.perf_counter()
     lowered = trainer.lower_train_step(abstract_state, batch, rng, task_capacity=capacity)
+    if on_compile is not None:
+        on_compile(dict(mesh.shape))
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - XLA reports out-of-memory as a runtime error
@@ -235,3 +267,130 @@ def precompile(
         compile_seconds=seconds,
     )
 
+
+
+# Test-only: the tests set this in their own environment (inherited by the child) to make
+# the compile's child process die where a crashing compiler would: "SIGSEGV" or "SIGKILL"
+# (it sends itself that signal once the step is lowered), "hang" (it sleeps instead of
+# compiling, for the time limit). Nothing else reads or sets it.
+TEST_CHILD_ENV = "KTX_TEST_PRECOMPILE_CHILD"
+_TEST_ACTIONS = ("SIGSEGV", "SIGKILL", "hang")
+
+
+def _on_compile_in_child(mesh_shape: dict[str, int], conn) -> None:
+    """Tells the parent the mesh; then the test-only hook (`TEST_CHILD_ENV`)."""
+    conn.send(("compiling", mesh_shape))
+    action = os.environ.get(TEST_CHILD_ENV)
+    if not action:
+        return
+    if action not in _TEST_ACTIONS:
+        raise ValueError(f"{TEST_CHILD_ENV}={action!r}; accepted: {', '.join(_TEST_ACTIONS)} (tests only)")
+    if action == "hang":
+        time.sleep(3600)
+    else:
+        os.kill(os.getpid(), getattr(signal, action))
+
+
+def _child_main(conn, setup: Callable[..., dict[str, Any]], args: tuple) -> None:
+    """The child: `precompile(**setup(*args))`; sends `("compiling", mesh_shape)` once
+    lowered, then `("report", report)`, `("does_not_fit", message)` or `("error", exc, tb)`."""
+    try:
+        kwargs = setup(*args)
+        report = precompile(**kwargs, on_compile=lambda mesh: _on_compile_in_child(mesh, conn))
+        conn.send(("report", report))
+    except DoesNotFitError as e:
+        conn.send(("does_not_fit", str(e)))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        tb = traceback.format_exc()
+        try:
+            conn.send(("error", e, tb))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}"), tb))
+    finally:
+        conn.close()
+
+
+def _mesh_text(mesh_shape: dict[str, int] | None, num_partitions: int) -> str:
+    if mesh_shape is None:
+        return f"mesh data x model={num_partitions}, not built yet"
+    return "mesh " + " x ".join(f"{k}={v}" for k, v in mesh_shape.items())
+
+
+def precompile_in_child(
+    setup: Callable[..., dict[str, Any]],
+    args: tuple = (),
+    *,
+    topology: str,
+    num_partitions: int = 1,
+    timeout: float | None = None,
+) -> PrecompileReport:
+    """`precompile(**setup(*args))` in a child process (the spawn start method: a fresh
+    interpreter, no state shared with this one); returns its report.
+
+    `setup` and `args` must pickle (a module-level function: it parses the configuration
+    in the child and returns `precompile`'s keyword arguments, `topology` included);
+    `topology` and `num_partitions` only name the run in errors. Raises the child's
+    `DoesNotFitError` (same message) or other exception (its traceback added as a note),
+    or `CompileDiedError` when the child is killed by a signal or runs over `timeout`
+    seconds (counted from its start: tracing, lowering and compiling), after which it is
+    killed.
+    """
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout={timeout!r}; accepted: seconds > 0, or None for no limit")
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, args=(send, setup, args), name="ktx-precompile")
+    child.start()
+    send.close()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    mesh_shape = None
+    result = None
+    timed_out = False
+    try:
+        while result is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not multiprocessing.connection.wait([receive], left):
+                timed_out = True
+                break
+            try:
+                message = receive.recv()
+            except EOFError:  # the child died without a word
+                break
+            if message[0] == "compiling":
+                mesh_shape = message[1]
+            else:
+                result = message
+        where = f"topology {topology} ({_mesh_text(mesh_shape, num_partitions)})"
+        if timed_out:
+            child.kill()
+            child.join()
+            raise CompileDiedError(
+                f"{where}: the compile ran over the time limit of {timeout:g} s and was stopped",
+                timeout=timeout)
+        if result is None:
+            child.join()
+            code = child.exitcode
+            if code is not None and code < 0:
+                try:
+                    name = signal.Signals(-code).name
+                except ValueError:
+                    name = f"signal {-code}"
+                raise CompileDiedError(
+                    f"{where}: the compiler's process was killed by {name} (signal {-code}): "
+                    "a compiler crash, no figures", signal=name)
+            raise CompileDiedError(f"{where}: the compile's process exited with status {code} "
+                                   "without a report")
+    finally:
+        receive.close()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    kind = result[0]
+    if kind == "report":
+        return result[1]
+    if kind == "does_not_fit":
+        raise DoesNotFitError(result[1])
+    error, tb = result[1], result[2]
+    error.add_note(f"in the compile's child process:\n{tb}")
+    raise error
