@@ -259,8 +259,9 @@ class MultiTaskInput:
       num_labels: encoder tasks: the model's head sizes (one int for all, or one per task;
         gin binds the model's `NUM_LABELS`); each must match its task's labels (classes,
         or 1 for a regression), else ValueError. None: not checked.
-      head_kinds: encoder tasks: the model's head kinds (`ef.HEAD_KINDS`: "sequence" or
-        "tagging", one for all or one per task; gin binds the model's `HEAD_KINDS`); each
+      head_kinds: encoder tasks: the model's head kinds (`ef.HEAD_KINDS`: "sequence",
+        "tagging" or "cosine", one for all or one per task; gin binds the model's
+        `HEAD_KINDS`; a cosine task's texts are encoded alone, `ef.COSINE_FEATURES`); each
         must match its task's `LabelSpace.kind`, else ValueError. None: not checked.
       seqio_cache_dir: with `use_cached`: the folder `ktx cache --cache_dir` wrote, added
         to SeqIO's global cache directories (`seqio.add_global_cache_dirs`); None: the
@@ -357,6 +358,8 @@ class MultiTaskInput:
         self.num_labels, self.head_kinds = num_labels, head_kinds
         # Every row of a mixture with a tagging task has the tagging features.
         self.tagging = self.kind == "encoder" and any(s.is_tagging for s in self.label_spaces)
+        # ... and of a mixture with a cosine head, the second texts alone (ef.COSINE_FEATURES).
+        self.cosine = ef.cosine_tasks(head_kinds, len(task_names)) if self.kind == "encoder" else ()
 
         if shard_by_process is not None and not isinstance(shard_by_process, (bool, np.bool_)):
             raise TypeError(f"shard_by_process={shard_by_process!r}; accepted: True, False or None")
@@ -746,6 +749,10 @@ class MultiTaskInput:
     def _concat(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
+    @property
+    def _cosine_names(self) -> set[str]:
+        return {self.task_names[t] for t in self.cosine}
+
     def _cache_path(self, task_name: str, split: str, pack: bool,
                     shard: seqio.ShardInfo | None = None) -> pathlib.Path | None:
         if self.cache_dir is None:
@@ -755,6 +762,8 @@ class MultiTaskInput:
             fields.append(["shard", shard.index, shard.num_shards])
         if self.tagging:  # sequence rows get the tagging features too
             fields.append("tagging")
+        if self.cosine:  # the cosine tasks' texts are encoded alone
+            fields.append(["cosine", list(self.cosine), task_name in self._cosine_names])
         if self.kind != "enc_dec":  # the ids depend on the vocabulary
             vocabulary = seqio.get_mixture_or_task(task_name).output_features["text_a"].vocabulary
             fields.append(getattr(vocabulary, "cache_key", repr(vocabulary)))
@@ -854,7 +863,7 @@ class MultiTaskInput:
                 self.task_feature_lengths["inputs"], cls_id=cls_id, sep_id=sep_id,
                 tag_names=space.names)
             ef.log_truncation(features, source=source, length=self.task_feature_lengths["inputs"])
-            return features
+            return ef.with_cosine_features(features) if self.cosine else features
         columns = {"text_a": [], "text_b": [], "label": []}
         for example in ds.as_numpy_iterator():
             for key, column in columns.items():
@@ -862,5 +871,8 @@ class MultiTaskInput:
         ef.check_labels(np.asarray(columns["label"], np.float64), space, source=source)
         features = ef.convert_encoder(
             columns["text_a"], columns["text_b"], columns["label"],
-            self.task_feature_lengths["inputs"], cls_id=cls_id, sep_id=sep_id)
+            self.task_feature_lengths["inputs"], cls_id=cls_id, sep_id=sep_id,
+            separate=seqio_task.name in self._cosine_names)
+        if self.cosine:
+            features = ef.with_cosine_features(features)
         return ef.sequence_rows_for_tagging(features) if self.tagging else features

@@ -53,7 +53,7 @@ Options every ktx encoder classifier shares (CA-MTL, PALs and TEA subclass this 
 `frozen_layers = k` (or "half") freezes BERT's embeddings and layers `0 .. k-1`
 (`frozen_patterns`, applied by the Trainer; their gradients are stopped in the loss);
 `logits(..., embedding_perturbation=δ)` adds `δ [B, L, E]` to the embedding output
-(`ktx.models.smart`).
+(`ktx.models.smart`; not with a cosine head).
 Labels outside `[0, n_t)` of a classification task cannot be checked under jit: they are
 clipped; validate them in the task's preprocessing.
 """
@@ -441,12 +441,12 @@ class EncoderClassifierModel(BaseModel):
         """`self.module` on `features` (+ the perturbation), dropout keyed per row; with a
         cosine head, also on the second texts (`features` with `input_ids_b`), and each
         cosine head's output is `cosine_scale * cos(u, v)` `[B, 1]`."""
-        if embedding_perturbation is not None and (self.tagging or self.cosine):
+        if embedding_perturbation is not None and self.cosine:
             raise ValueError(
                 f"{type(self).__name__}(head_kinds={self.head_kinds}): SMART "
-                "(ktx.models.smart.SmartModel, gin conditioning/smart.gin) compares [B, n] "
-                "predictions of sequence heads and does not support tagging or cosine heads; "
-                "train those tasks without SMART")
+                "(ktx.models.smart.SmartModel, gin conditioning/smart.gin) perturbs one "
+                "text's embeddings and does not support cosine heads, which encode two texts "
+                "apart; accepted: sequence and tagging heads")
         out = self._apply_once(params, features, batch, rng, train, embedding_perturbation)
         if not self.cosine:
             return out

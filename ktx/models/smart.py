@@ -11,6 +11,10 @@ the paper's adversarial term to the base loss sums, so the trainer's plain and p
     R_s(θ) = 1/n Σ_i max_{‖x̃_i − x_i‖_∞ ≤ ε} ℓ_s(f(x̃_i; θ), f(x_i; θ))
     ℓ_s(P, Q) = D_KL(P ‖ Q) + D_KL(Q ‖ P) = Σ_k (p_k − q_k)(log p_k − log q_k)   classification
     ℓ_s(p, q) = (p − q)²                                                        regression
+    ℓ_s(P, Q) = 1/|M_i| Σ_{j ∈ M_i} ℓ_s(P_j, Q_j)                               token tagging
+
+(a tagging head compares every labelled token's distribution, `M_i` row i's labelled and
+attended positions, averaged as its loss is; the paper evaluates on sequence tasks only).
 
 `x_i` is row i's embedding output `[L, E]` (after the embedding LayerNorm and dropout:
 the input of the first layer, where the authors' code perturbs), `f` the row's own task
@@ -101,13 +105,21 @@ def symmetric_kl(p_logits: Array, q_logits: Array) -> Array:
 
 
 def row_divergence(num_labels: Sequence[int], a: Sequence[Array], b: Sequence[Array],
-                   task_id: Array) -> Array:
+                   task_id: Array, token_mask: Array | None = None) -> Array:
     """`[B]` `ℓ_s` between two predictions of each row's own head: `a`, `b` are `T` logits
-    `[B, n_t]`; symmetric KL for `n_t >= 2`, squared difference for a regression head."""
+    `[B, n_t]`; symmetric KL for `n_t >= 2`, squared difference for a regression head.
+    A tagging head's logits `[B, L, n_t]` give the mean symmetric KL over the row's
+    positions where `token_mask` `[B, L]` (labelled and attended tokens) is true."""
     task_id = jnp.asarray(task_id, jnp.int32)
     out = jnp.zeros(task_id.shape, jnp.float32)
     for t, (n, x, y) in enumerate(zip(num_labels, a, b)):
-        if n == 1:
+        if x.ndim == 3:
+            if token_mask is None:
+                raise ValueError("row_divergence: a tagging head's [B, L, n] logits need "
+                                 "token_mask [B, L] (its labelled tokens)")
+            m = jnp.asarray(token_mask, jnp.float32)
+            d = jnp.sum(symmetric_kl(x, y) * m, axis=-1) / jnp.maximum(m.sum(axis=-1), 1.0)
+        elif n == 1:
             d = jnp.square(jnp.asarray(x[:, 0], jnp.float32) - jnp.asarray(y[:, 0], jnp.float32))
         else:
             d = symmetric_kl(x, y)
@@ -179,8 +191,14 @@ def proximal_sums(base: encoder.EncoderClassifierModel, params: Any, teacher: An
     same inside its loss, reusing the student's forward of the adversarial term."""
     student = base.logits(params, batch, rng, train)
     fixed = base.logits(jax.lax.stop_gradient(full_teacher(teacher, params)), batch, rng, train)
-    d = row_divergence(base.num_labels, student, fixed, batch["task_id"])
+    d = row_divergence(base.num_labels, student, fixed, batch["task_id"], _token_mask(base, batch))
     return segment_sum_by_task(d * base.row_weights(batch), batch["task_id"], base.num_tasks)
+
+
+def _token_mask(base: encoder.EncoderClassifierModel, batch: Batch) -> Array | None:
+    """The labelled tokens `row_divergence` averages a tagging head over (None: no tagging
+    head)."""
+    return base.labelled_tokens(batch) if base.tagging else None
 
 
 def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
@@ -271,13 +289,13 @@ class SmartModel(BaseModel):
         base = self.base
         params = jax.lax.stop_gradient(params)
         clean = jax.lax.stop_gradient(tuple(clean_logits))
-        task_id = batch["task_id"]
+        task_id, mask = batch["task_id"], _token_mask(base, batch)
         shape = (batch["input_ids"].shape[1], base.config.hidden_size)
         delta = initial_noise(rng, batch, shape, self.noise_std)
 
         def divergence(d):  # rows are independent: the sum's gradient is per row
             out = base.logits(params, batch, rng, train, embedding_perturbation=d)
-            return row_divergence(base.num_labels, clean, out, task_id).sum()
+            return row_divergence(base.num_labels, clean, out, task_id, mask).sum()
 
         for _ in range(self.ascent_steps):
             g = jax.grad(divergence)(delta)
@@ -352,17 +370,18 @@ class SmartModel(BaseModel):
         clean = base.logits(params, batch, rng, train)
         sums, aux = base.loss_sums_from_logits(clean, batch)
         weights, task_id = base.row_weights(batch), batch["task_id"]
+        mask = _token_mask(base, batch)
         if self.weight > 0.0:
             delta = self.adversarial_perturbation(params, batch, rng, clean, train)
             adversarial = base.logits(params, batch, rng, train, embedding_perturbation=delta)
-            d = row_divergence(base.num_labels, clean, adversarial, task_id)
+            d = row_divergence(base.num_labels, clean, adversarial, task_id, mask)
             term = segment_sum_by_task(d * weights, task_id, self.num_tasks)
             sums = sums + self.weight * term
             aux = dict(aux, smart_adversarial=term)
         if proximal:
             # The same dropout keys as the student's forward: θ̃ = θ gives exactly 0.
             fixed = jax.lax.stop_gradient(base.logits(teacher, batch, rng, train))
-            d = row_divergence(base.num_labels, clean, fixed, task_id)
+            d = row_divergence(base.num_labels, clean, fixed, task_id, mask)
             term = segment_sum_by_task(d * weights, task_id, self.num_tasks)
             sums = sums + self.proximal_weight * term
             aux = dict(aux, smart_proximal=term)

@@ -128,7 +128,7 @@ def test_refusals_name_the_binding():
     batch = {k: v for k, v in _batch().items() if k != "input_ids_b"}
     with pytest.raises(ValueError, match=r"missing features \['input_ids_b'\].*cosine heads"):
         model.loss_sums(params, batch, None, False)
-    with pytest.raises(ValueError, match="does not support tagging or cosine heads"):
+    with pytest.raises(ValueError, match="does not support cosine heads"):
         model.logits(params, _batch(), embedding_perturbation=jnp.zeros((B, L, 16)))
     spec = model.input_spec(4, {"inputs": L})
     assert spec["input_ids_b"].shape == spec["attention_mask_b"].shape == (4, L)
@@ -160,3 +160,52 @@ def test_head_kinds_check_accepts_cosine_for_regressions_only():
     with pytest.raises(ValueError, match=r"task 'sst' \(task id 0\) a 'cosine' head.*regression"):
         ef.check_head_kinds(("sst", "sts"), spaces, "cosine")
     assert encoder.COSINE == ef.COSINE and encoder.HEAD_KINDS == ef.HEAD_KINDS
+
+
+def test_input_rows_of_a_mixture_with_a_cosine_head(tmp_path):
+    """MultiTaskInput with HEAD_KINDS ('sequence', 'cosine') over inline SST and STS files:
+    the STS rows hold each sentence alone, the SST rows an all-padding second text."""
+    import seqio
+
+    import ktx.tasks  # noqa: F401
+    from ktx.data.pipeline import MultiTaskInput
+    from ktx.tasks import config
+    from tests.data.test_wordpiece import ids, write_vocab
+    from tests.tasks._fixtures import write
+
+    root = tmp_path / "data"
+    write(root, "cs224n/ids-sst-train.csv",
+          "\tid\tsentence\tsentiment\n0\tab12\tThe cat sat .\t3\n1\tcd34\tHello !\t0\n")
+    write(root, "cs224n/sts-train.csv", "\tid\tsentence1\tsentence2\tsimilarity\n"
+          "0\tx1\tThe cat sat .\tHello cat !\t4.5\n1\tx2\tThe mat .\tUnaffable !\t0.5\n")
+    name = "test_sst5_and_sts_cosine_bert"
+    if name in seqio.MixtureRegistry.names():
+        seqio.MixtureRegistry.remove(name)
+    seqio.MixtureRegistry.add(name, ["cs224n_sst5_bert_v001", "cs224n_sts_bert_v001"],
+                              default_rate=1.0)
+    config.set_data_dir(root)
+    try:
+        inp = MultiTaskInput(name, {"inputs": 8}, batch_size=4, shuffle=False,
+                             encoder_vocabulary=write_vocab(tmp_path / "vocab"),
+                             num_labels=(5, 1), head_kinds=("sequence", "cosine"),
+                             cache_dir=tmp_path / "cache")
+        batch = inp.get_batch(0)
+        with pytest.raises(ValueError, match=r"'cs224n_sst5_bert_v001' \(task id 0\) a "
+                                             r"'cosine' head"):
+            MultiTaskInput(name, {"inputs": 8}, batch_size=4, num_labels=(5, 1),
+                           encoder_vocabulary=tmp_path / "vocab", head_kinds="cosine")
+    finally:
+        seqio.MixtureRegistry.remove(name)
+        config.set_data_dir(None)
+    cls, sep = ids("[CLS]")[0], ids("[SEP]")[0]
+    sts = np.nonzero(batch["task_id"] == 1)[0]
+    sst = np.nonzero(batch["task_id"] == 0)[0]
+    assert len(sts) == 2 and len(sst) == 2
+    first = {tuple(batch["input_ids"][r].tolist()) for r in sts}
+    second = {tuple(batch["input_ids_b"][r].tolist()) for r in sts}
+    assert (cls, *ids("the", "cat", "sat", "."), sep, 0, 0) in first
+    assert (cls, *ids("hello", "cat", "!"), sep, 0, 0, 0) in second
+    assert not batch["token_type_ids"][sts].any()
+    np.testing.assert_array_equal(batch["attention_mask_b"][sts], batch["input_ids_b"][sts] > 0)
+    assert not batch["input_ids_b"][sst].any() and not batch["attention_mask_b"][sst].any()
+    assert sorted(batch["label"][sts].tolist()) == [0.5, 4.5]

@@ -1,7 +1,7 @@
 """Token-tagging heads of the ktx encoder models (`head_kinds`): logits and loss against
 NumPy, no pooler without a sequence head, per-task blocks / one-hot VJP / microbatches =
 the whole batch under dropout for plain BERT, CA-MTL, PALs and TEA, frozen layers, and the
-refusals (SMART, MT-uncertainty, bad head kinds)."""
+refusals (MT-uncertainty, bad head kinds); SMART's term on tagging heads against NumPy."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from ktx.data import encoder_features as ef
-from ktx.models import bert, camtl, encoder, pals, tea
+from ktx.models import bert, camtl, encoder, pals, smart, tea
 from ktx.models.base import with_row_ids
 from ktx.optim import compute_task_gradients
 from ktx.training import trainer as trainer_lib
@@ -199,8 +199,6 @@ def test_refusals_name_the_binding():
         encoder.EncoderClassifierModel(CONFIG, num_labels=(1,), head_kinds="tagging")
     model = _model("plain")
     params, batch = _params(model), _batch()
-    with pytest.raises(ValueError, match="SMART .* does not support tagging heads"):
-        model.logits(params, batch, embedding_perturbation=jnp.zeros((B, L, 16)))
     with pytest.raises(ValueError, match="MT-uncertainty sampling .* tagging heads"):
         model.normalised_entropy(params, batch)
     with pytest.raises(ValueError, match="missing features \\['token_labels'\\]"):
@@ -209,3 +207,43 @@ def test_refusals_name_the_binding():
     assert camtl.ca_mtl_model(model, camtl.CaMtlConfig(max_seq_length=L)).head_kinds == \
         ("tagging", "sequence")
     assert model.input_spec(4, {"inputs": L})["token_labels"].shape == (4, L)
+
+
+def _np_sym_kl(p_logits, q_logits):
+    lp = p_logits - np.log(np.exp(p_logits).sum(-1, keepdims=True))
+    lq = q_logits - np.log(np.exp(q_logits).sum(-1, keepdims=True))
+    return np.sum((np.exp(lp) - np.exp(lq)) * (lp - lq), axis=-1)
+
+
+@pytest.mark.parametrize("kind", ["plain", "camtl"])
+def test_smart_term_on_a_tagging_head(kind):
+    """SMART's ℓ_s of a tagging row is the mean symmetric KL over its labelled tokens (a
+    sequence row's is its head's); the term joins each task's loss, and each task's block
+    gives the whole batch's sums under dropout."""
+    base = _model(kind)
+    params, batch, rng = _params(base), with_row_ids(_batch()), jax.random.key(5)
+    sm = smart.SmartModel(base, weight=2.0, noise_std=1e-2, step_size=1e-2, epsilon=1e-2)
+    sums, aux = sm.loss_sums(params, batch, rng, True)
+    clean = base.logits(params, batch, rng, True)
+    delta = sm.adversarial_perturbation(params, batch, rng, clean)
+    adversarial = base.logits(params, batch, rng, True, embedding_perturbation=delta)
+    c = [np.asarray(x, np.float64) for x in clean]
+    a = [np.asarray(x, np.float64) for x in adversarial]
+    labels, attended = np.asarray(batch["token_labels"]), np.asarray(batch["input_ids"]) > 0
+    want = np.zeros(2)
+    for b in range(B):
+        if b < COUNTS[0]:
+            m = (labels[b] >= 0) & attended[b]
+            want[0] += _np_sym_kl(c[0][b], a[0][b])[m].mean()
+        else:
+            want[1] += _np_sym_kl(c[1][b], a[1][b])
+    term = np.asarray(aux["smart_adversarial"])
+    assert np.all(term > 0)
+    np.testing.assert_allclose(term, want, rtol=2e-3)
+    np.testing.assert_allclose(sums, np.asarray(aux["loss"]) + 2.0 * term, rtol=1e-6)
+    blocks = [sm.loss_sums(params, {k: v[r] for k, v in batch.items()}, rng, True)[0]
+              for r in (slice(0, COUNTS[0]), slice(COUNTS[0], B))]
+    np.testing.assert_allclose(blocks[0][0], sums[0], rtol=1e-5)
+    np.testing.assert_allclose(blocks[1][1], sums[1], rtol=1e-5)
+    with pytest.raises(ValueError, match="need token_mask"):
+        smart.row_divergence(base.num_labels, clean, adversarial, batch["task_id"])
