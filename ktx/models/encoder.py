@@ -119,13 +119,23 @@ def normalised_entropy(logits: jax.Array) -> jax.Array:
     return entropy / (math.log(n) + _ENTROPY_EPS)
 
 
-def row_normalised_entropy(logits: Sequence[jax.Array], task_id: jax.Array) -> jax.Array:
+def row_normalised_entropy(logits: Sequence[jax.Array], task_id: jax.Array,
+                           token_mask: jax.Array | None = None) -> jax.Array:
     """`[B]` normalised entropy of each row's own task head (`logits`: `T` arrays
-    `[B, n_t]`, as `EncoderClassifierModel.logits`)."""
+    `[B, n_t]`, as `EncoderClassifierModel.logits`). A tagging head's `[B, L, n_t]` gives
+    the mean over the row's positions where `token_mask` `[B, L]` (its labelled tokens)
+    is true: the entropy of a word's tag, averaged over the sentence's words."""
     task_id = jnp.asarray(task_id, jnp.int32)
     out = jnp.zeros(task_id.shape, jnp.float32)
     for t, lg in enumerate(logits):
-        out = jnp.where(task_id == t, normalised_entropy(lg), out)
+        h = normalised_entropy(lg)
+        if h.ndim == 2:
+            if token_mask is None:
+                raise ValueError("row_normalised_entropy: a tagging head's [B, L, n] logits "
+                                 "need token_mask [B, L] (its labelled tokens)")
+            m = jnp.asarray(token_mask, jnp.float32)
+            h = jnp.sum(h * m, axis=-1) / jnp.maximum(m.sum(axis=-1), 1.0)
+        out = jnp.where(task_id == t, h, out)
     return out
 
 
@@ -482,13 +492,10 @@ class EncoderClassifierModel(BaseModel):
 
     def normalised_entropy(self, params: Any, batch: Batch) -> jax.Array:
         """`[B]` normalised entropy of each row's own head (deterministic forward, no
-        gradient): MT-uncertainty sampling's score (`ktx.training.mt_uncertainty`)."""
-        if self.tagging:
-            raise ValueError(
-                f"{type(self).__name__}(head_kinds={self.head_kinds}): MT-uncertainty sampling "
-                "(runs/mt_uncertainty.gin, MT_UNCERTAINTY_ROWS) scores a row by the entropy "
-                "of a sequence head; it does not support tagging heads")
-        return row_normalised_entropy(self.logits(params, batch), batch["task_id"])
+        gradient): MT-uncertainty sampling's score (`ktx.training.mt_uncertainty`); a
+        tagging row's is the mean over its labelled tokens."""
+        return row_normalised_entropy(self.logits(params, batch), batch["task_id"],
+                                      self.labelled_tokens(batch) if self.tagging else None)
 
     def _attended(self, batch: Batch) -> jax.Array:
         return bert.attention_mask_from(jnp.asarray(batch["input_ids"]),

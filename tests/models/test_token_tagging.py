@@ -1,7 +1,8 @@
 """Token-tagging heads of the ktx encoder models (`head_kinds`): logits and loss against
 NumPy, no pooler without a sequence head, per-task blocks / one-hot VJP / microbatches =
 the whole batch under dropout for plain BERT, CA-MTL, PALs and TEA, frozen layers, and the
-refusals (MT-uncertainty, bad head kinds); SMART's term on tagging heads against NumPy."""
+refusals (bad head kinds); SMART's term and MT-uncertainty's entropy on tagging heads
+against NumPy."""
 
 from __future__ import annotations
 
@@ -199,8 +200,6 @@ def test_refusals_name_the_binding():
         encoder.EncoderClassifierModel(CONFIG, num_labels=(1,), head_kinds="tagging")
     model = _model("plain")
     params, batch = _params(model), _batch()
-    with pytest.raises(ValueError, match="MT-uncertainty sampling .* tagging heads"):
-        model.normalised_entropy(params, batch)
     with pytest.raises(ValueError, match="missing features \\['token_labels'\\]"):
         model.loss_sums(params, {k: v for k, v in batch.items() if k != "token_labels"},
                         None, False)
@@ -247,3 +246,24 @@ def test_smart_term_on_a_tagging_head(kind):
     np.testing.assert_allclose(blocks[1][1], sums[1], rtol=1e-5)
     with pytest.raises(ValueError, match="need token_mask"):
         smart.row_divergence(base.num_labels, clean, adversarial, batch["task_id"])
+
+
+def test_mt_uncertainty_entropy_of_a_tagging_row():
+    """A tagging row's normalised entropy is the mean over its labelled tokens of its tag
+    distribution's entropy / log(n); a sequence row's is its head's."""
+    model = _model("plain")
+    params, batch = _params(model), _batch()
+    got = np.asarray(model.normalised_entropy(params, batch))
+    logits = [np.asarray(x, np.float64) for x in model.logits(params, batch)]
+
+    def h(z):
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        return -(p * np.log(p)).sum(-1) / (np.log(z.shape[-1]) + 1e-5)
+
+    labels, attended = np.asarray(batch["token_labels"]), np.asarray(batch["input_ids"]) > 0
+    want = [h(logits[0][b])[(labels[b] >= 0) & attended[b]].mean() if b < COUNTS[0]
+            else h(logits[1][b]) for b in range(B)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    with pytest.raises(ValueError, match="need token_mask"):
+        encoder.row_normalised_entropy(model.logits(params, batch), batch["task_id"])
