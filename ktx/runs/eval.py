@@ -137,6 +137,14 @@ class SplitEvaluator:
         if self.batch_size is None:
             self.batch_size = global_batch_size
 
+    def _check_ready(self) -> None:
+        if self.eval_input is None or self.batch_size is None:
+            raise ValueError(f"{type(self).__name__}: no eval_input/batch_size; give them, or "
+                             "run it inside ktx.runs.train.train (which supplies the run's)")
+
+    def _jit_on_mesh(self, trainer: Trainer, fn) -> Any:
+        return jit_on_mesh(trainer, fn)
+
 
 class TeacherForcedEvaluator(SplitEvaluator):
     """Teacher-forced scores of every task's `split` (`teacher_forced_eval`): the model's
@@ -146,9 +154,7 @@ class TeacherForcedEvaluator(SplitEvaluator):
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
-        if self.eval_input is None or self.batch_size is None:
-            raise ValueError("TeacherForcedEvaluator: no eval_input/batch_size; give them, or "
-                             "run it inside ktx.runs.train.train (which supplies the run's)")
+        self._check_ready()
         names = tuple(self.eval_input.task_names)
         results = teacher_forced_eval(trainer, params, self.eval_input, names,
                                       split=self.split, batch_size=self.batch_size)
@@ -157,15 +163,19 @@ class TeacherForcedEvaluator(SplitEvaluator):
         return results
 
 
+def jit_on_mesh(trainer: Trainer, fn) -> Any:
+    """`fn(params, batch)` jitted for `trainer`'s mesh: parameters sharded as the train
+    state's, the batch over `data`, the outputs replicated (read on the host)."""
+    return jax.jit(fn, in_shardings=(trainer.state_shardings.params,
+                                     partitioning.data_sharding(trainer.mesh)),
+                   out_shardings=partitioning.replicated_sharding(trainer.mesh))
+
+
 def make_predict_fn(model: BaseModel, trainer: Trainer, **decode_kwargs):
     """A jitted `(params, batch) -> [B, Ld]` decode on the trainer's mesh."""
     if not hasattr(model, "predict_batch"):
         raise TypeError(f"{type(model).__name__} has no predict_batch: decoding needs a seq2seq model")
-    fn = jax.jit(
-        functools.partial(model.predict_batch, **decode_kwargs),
-        in_shardings=(trainer.state_shardings.params, partitioning.data_sharding(trainer.mesh)),
-        out_shardings=partitioning.replicated_sharding(trainer.mesh),
-    )
+    fn = jit_on_mesh(trainer, functools.partial(model.predict_batch, **decode_kwargs))
 
     def predict(params, batch):
         global_batch = trainer.global_batch(batch)

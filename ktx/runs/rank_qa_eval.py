@@ -28,7 +28,6 @@ import numpy as np
 import scipy.stats
 import seqio
 
-from ktx import partitioning
 from ktx.metrics import biomed as biomed_metrics
 from ktx.runs.eval import SplitEvaluator, _batch_and_rows
 from ktx.training.summaries import MetricsWriter
@@ -90,17 +89,12 @@ class AnswerRankingEvaluator(SplitEvaluator):
         def fn(params, batch):
             return predict_scores(model, params, batch), batch["label"]
 
-        self._predict = jax.jit(
-            fn, in_shardings=(trainer.state_shardings.params,
-                              partitioning.data_sharding(trainer.mesh)),
-            out_shardings=partitioning.replicated_sharding(trainer.mesh))
+        self._predict = self._jit_on_mesh(trainer, fn)
         self._trainer = trainer
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
-        if self.eval_input is None or self.batch_size is None:
-            raise ValueError("AnswerRankingEvaluator: no eval_input/batch_size; give them, or "
-                             "run it inside ktx.runs.train.train (which supplies the run's)")
+        self._check_ready()
         names = tuple(self.eval_input.task_names)
         tasks = [(n, rows) for n in names
                  if (rows := answer_rows(n, self.split)) is not None]

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ktx import partitioning
 from ktx.metrics import tagging as tagging_metrics
 from ktx.runs.eval import SplitEvaluator, _batch_and_rows
 from ktx.training.summaries import MetricsWriter
@@ -84,17 +83,12 @@ class TaggingEvaluator(SplitEvaluator):
         def fn(params, batch):
             return predict_tags(model, params, batch), {k: batch[k] for k in _HOST_FEATURES}
 
-        self._predict = jax.jit(
-            fn, in_shardings=(trainer.state_shardings.params,
-                              partitioning.data_sharding(trainer.mesh)),
-            out_shardings=partitioning.replicated_sharding(trainer.mesh))
+        self._predict = self._jit_on_mesh(trainer, fn)
         self._trainer = trainer
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
-        if self.eval_input is None or self.batch_size is None:
-            raise ValueError("TaggingEvaluator: no eval_input/batch_size; give them, or run it "
-                             "inside ktx.runs.train.train (which supplies the run's)")
+        self._check_ready()
         spaces = tuple(self.eval_input.label_spaces)
         names = tuple(self.eval_input.task_names)
         tasks = [(n, s) for n, s in zip(names, spaces) if s.is_tagging]
