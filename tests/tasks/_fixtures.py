@@ -1,4 +1,4 @@
-"""Shared helpers for the GLUE / SuperGLUE / CS224N task tests: a temporary data folder."""
+"""Shared helpers for the task tests: a temporary data folder, a tiny WordPiece vocabulary."""
 
 import pathlib
 
@@ -18,6 +18,14 @@ def root(tmp_path, monkeypatch):
     config.set_data_dir(None)
     config.set_tfds_data_dir(None)
     config.set_on_bad_row("raise")
+
+
+@pytest.fixture
+def vocab_dir(tmp_path):
+    """A folder with a tiny `vocab.txt` (`tests.data.test_wordpiece.TOKENS`)."""
+    from tests.data.test_wordpiece import write_vocab
+
+    return write_vocab(tmp_path / "vocab")
 
 
 def write(root: pathlib.Path, relpath: str, text: str) -> pathlib.Path:

@@ -16,12 +16,7 @@ from ktx.data import files, wordpiece
 from ktx.data.pipeline import MultiTaskInput, encoder_num_labels
 from ktx.tasks import cs224n, glue
 from tests.data.test_wordpiece import ids, write_vocab
-from tests.tasks._fixtures import root, write  # noqa: F401
-
-
-@pytest.fixture
-def vocab_dir(tmp_path):
-    return write_vocab(tmp_path / "vocab")
+from tests.tasks._fixtures import root, vocab_dir, write  # noqa: F401
 
 
 def _examples(task_name, split, vocab_dir):

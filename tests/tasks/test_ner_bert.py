@@ -17,29 +17,13 @@ from ktx.data import encoder_features as ef
 from ktx.data import files, wordpiece
 from ktx.data.pipeline import MultiTaskInput, encoder_num_labels
 from ktx.tasks import biomed_tagging
-from ktx.tasks import config
 from tests.data.test_wordpiece import ids, write_vocab
-from tests.tasks._fixtures import write
+from tests.tasks._fixtures import root, vocab_dir, write  # noqa: F401
 
 NCBI = "biomed_ncbi_disease_bert_v001"
 IGN = ef.IGNORE_LABEL
 SENTENCES = ("The\tO\nunaffable\tB-Disease\ncats\tI-Disease\nsat\tO\n\n"
              "Hello\tO\ncat\tB-Disease\n\n")
-
-
-@pytest.fixture
-def root(tmp_path):
-    """An empty data folder that the tasks read, reset afterwards."""
-    config.set_data_dir(tmp_path / "data")
-    config.set_on_bad_row("raise")
-    yield tmp_path / "data"
-    config.set_data_dir(None)
-    config.set_on_bad_row("raise")
-
-
-@pytest.fixture
-def vocab_dir(tmp_path):
-    return write_vocab(tmp_path / "vocab")
 
 
 def test_registered_tasks_and_mixture():

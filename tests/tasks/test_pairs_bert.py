@@ -17,28 +17,14 @@ from ktx.data.pipeline import MultiTaskInput, encoder_num_labels
 from ktx.metrics import biomed as biomed_metrics
 from ktx.models import bert, encoder
 from ktx.runs import rank_qa_eval
-from ktx.tasks import biomed_pairs, config
+from ktx.tasks import biomed_pairs
 from ktx.training.trainer import Trainer
 from tests.data.test_wordpiece import TOKENS, ids, write_vocab
-from tests.tasks._fixtures import write
+from tests.tasks._fixtures import root, vocab_dir, write  # noqa: F401
 from tests.tasks.test_biomed import MEDIQA_DEV
 
 MEDIQA = "biomed_mediqa2019_qa_bert_v001"
 DEV_XML = "biomed/mediqa2019_qa/MEDIQA2019-Task3-QA-ValidationSet.xml"
-
-
-@pytest.fixture
-def root(tmp_path):
-    config.set_data_dir(tmp_path / "data")
-    config.set_on_bad_row("raise")
-    yield tmp_path / "data"
-    config.set_data_dir(None)
-    config.set_on_bad_row("raise")
-
-
-@pytest.fixture
-def vocab_dir(tmp_path):
-    return write_vocab(tmp_path / "vocab")
 
 
 def test_registered_tasks_and_mixture():
