@@ -14,10 +14,10 @@ import pytest
 from ktx.data import encoder_features as ef
 from ktx.models import bert, encoder
 from ktx.models.base import with_row_ids
-from ktx.optim import compute_task_gradients
 from tests.models.test_encoder_options import CONFIG, KINDS, B, L
 from tests.models.test_encoder_options import _batch as options_batch
 from tests.models.test_encoder_options import _model as options_model
+from tests.models.test_token_tagging import check_task_gradients_sum_to_plain
 
 COUNTS = (4, 4)  # task 0: 3 classes (sequence head); task 1: a score (cosine head)
 
@@ -93,28 +93,11 @@ def test_cosine_scale_and_the_attention_mask_default():
 
 @pytest.mark.parametrize("kind", ["plain", "camtl"])
 def test_task_blocks_and_vjp_give_the_whole_batch_gradient_under_dropout(kind):
+    """Task 0's rows have no second text (a zero vector under mean pooling): the gradient
+    stays finite, and the per-task paths sum to it."""
     model = _model(kind)
-    batch = with_row_ids(_batch())
-    params = _params(model)
-    rng = jax.random.key(7)
-    normalizer = model.normalizer(batch)
-    plain = jax.jit(jax.grad(
-        lambda p: model.task_losses(p, batch, rng, True, normalizer=normalizer)[0].sum()))(params)
-    want = jax.jit(lambda p: model.task_losses(p, batch, rng, True, normalizer=normalizer)[0])(
-        params)
-    assert not np.allclose(jax.jit(lambda p: model.task_losses(p, batch, None, False)[0])(params),
-                           want)  # dropout on
-    # Task 0's rows have no second text (a zero vector under mean pooling): still finite.
-    assert all(np.isfinite(g).all() for g in jax.tree.leaves(plain))
-    for method in ("blocks", "vjp") if kind == "plain" else ("blocks",):
-        losses, _, tg = jax.jit(lambda p: compute_task_gradients(
-            lambda q, b: model.loss_sums(q, b, rng, True), normalizer, p, batch,
-            num_tasks=2, task_counts=COUNTS if method == "blocks" else None,
-            method=method, shared="all"))(params)
-        np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-7)
-        total = jax.tree.map(lambda g: g.sum(0), tg.stacked)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                     total, plain)
+    check_task_gradients_sum_to_plain(model, with_row_ids(_batch()), _params(model), COUNTS,
+                                      ("blocks", "vjp") if kind == "plain" else ("blocks",))
 
 
 def test_refusals_name_the_binding():

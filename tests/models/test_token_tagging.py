@@ -142,14 +142,10 @@ def test_no_pooler_without_a_sequence_head(kind):
     assert "pooler" in _params(_model(kind))  # a sequence head keeps it
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_task_blocks_and_vjp_give_the_whole_batch_gradient_under_dropout(kind):
-    """Per-row dropout keys: each task's block (and, for plain BERT, the one-hot VJP)
-    gives the whole batch's per-task losses, and their gradients sum to the plain
-    gradient; frozen layers get none."""
-    model = _model(kind, frozen_layers=1)
-    batch = with_row_ids(_batch())
-    params = _params(model)
+def check_task_gradients_sum_to_plain(model, batch, params, counts, methods):
+    """Under dropout (checked on), each per-task gradient method of `methods` gives the
+    whole batch's per-task losses and per-task gradients summing to the plain gradient of
+    `batch` (rows grouped by task, `counts` of each); returns the plain gradient."""
     rng = jax.random.key(7)
     normalizer = model.normalizer(batch)
     plain = jax.jit(jax.grad(
@@ -158,15 +154,28 @@ def test_task_blocks_and_vjp_give_the_whole_batch_gradient_under_dropout(kind):
         params)
     assert not np.allclose(jax.jit(lambda p: model.task_losses(p, batch, None, False)[0])(params),
                            want)  # dropout on
-    for method in ("blocks", "vjp") if kind == "plain" else ("blocks",):
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(plain))
+    for method in methods:
         losses, _, tg = jax.jit(lambda p: compute_task_gradients(
             lambda q, b: model.loss_sums(q, b, rng, True), normalizer, p, batch,
-            num_tasks=2, task_counts=COUNTS if method == "blocks" else None,
+            num_tasks=len(counts), task_counts=counts if method == "blocks" else None,
             method=method, shared="all"))(params)
         np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-7)
         total = jax.tree.map(lambda g: g.sum(0), tg.stacked)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                      total, plain)
+    return plain
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_task_blocks_and_vjp_give_the_whole_batch_gradient_under_dropout(kind):
+    """Per-row dropout keys: each task's block (and, for plain BERT, the one-hot VJP)
+    gives the whole batch's per-task losses, and their gradients sum to the plain
+    gradient; frozen layers get none."""
+    model = _model(kind, frozen_layers=1)
+    plain = check_task_gradients_sum_to_plain(
+        model, with_row_ids(_batch()), _params(model), COUNTS,
+        ("blocks", "vjp") if kind == "plain" else ("blocks",))
     flat = _flat(plain)
     assert all(not v.any() for p, v in flat.items() if p.startswith(("embeddings/", "layers_0/")))
     assert flat["task_heads/task_0/kernel"].any() and flat["layers_1/output/kernel"].any()
