@@ -190,3 +190,18 @@ def test_train_resume_eval_infer_end_to_end(tmp_path, capsys):
     assert {"task", "inputs", "targets", "prediction"} <= set(lines[0])
     assert [x["task"] for x in lines[::3]] == list(names)
     assert all(isinstance(x["inputs"], str) and x["inputs"] for x in lines)
+
+
+def test_eval_and_infer_do_not_require_training_only_macros(tmp_path):
+    """An experiment file that requires INITIAL_CHECKPOINT_PATH (a pretrained start) is
+    evaluated from MODEL_DIR without it; the other required macros are still named."""
+    from ktx.cli import gin_config
+
+    exp = _write(tmp_path, "exp.gin", "include 'runs/train.gin'\n"
+                 "INITIAL_CHECKPOINT_PATH = %gin.REQUIRED\nMODEL_DIR = %gin.REQUIRED\n")
+    cli.parse_gin([str(exp)])
+    with pytest.raises(cli.GinConfigError, match=r"(?s)INITIAL_CHECKPOINT_PATH .*MODEL_DIR"):
+        cli.check_required_macros([exp])
+    with pytest.raises(cli.GinConfigError) as info:
+        cli.check_required_macros([exp], skip=gin_config.TRAIN_ONLY_MACROS)
+    assert "MODEL_DIR" in str(info.value) and "INITIAL_CHECKPOINT_PATH" not in str(info.value)

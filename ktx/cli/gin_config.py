@@ -439,10 +439,17 @@ def _declarations(files: Sequence[pathlib.Path], search: Sequence[str]) -> dict[
     return out
 
 
-def check_required_macros(files: Sequence[pathlib.Path], search: Sequence[str] = ()) -> None:
-    """Raises GinConfigError naming every macro still bound to `%gin.REQUIRED`, the
-    file and line declaring it, and the flag that sets it."""
-    unset = [name for name, value in _macro_values().items() if value.strip() == "%gin.REQUIRED"]
+# Macros only a training run reads: `ktx eval` / `ktx infer` restore MODEL_DIR's
+# checkpoints, so an experiment file that requires them still evaluates without them.
+TRAIN_ONLY_MACROS = ("INITIAL_CHECKPOINT_PATH",)
+
+
+def check_required_macros(files: Sequence[pathlib.Path], search: Sequence[str] = (),
+                          skip: Sequence[str] = ()) -> None:
+    """Raises GinConfigError naming every macro still bound to `%gin.REQUIRED` (but those
+    in `skip`), the file and line declaring it, and the flag that sets it."""
+    unset = [name for name, value in _macro_values().items()
+             if value.strip() == "%gin.REQUIRED" and name not in skip]
     if not unset:
         return
     where = _declarations(files, [*search, str(DEFAULT_GIN_DIR)])
@@ -481,7 +488,7 @@ def _call_entry(command: str, files, bindings, extra_kwargs=None):
             f"no gin file configures {names}: include runs/{command}.gin (or "
             f"runs/recsys_{command}.gin for a recommendation run)"
         )
-    check_required_macros(files)
+    check_required_macros(files, skip=TRAIN_ONLY_MACROS if command in ("eval", "infer") else ())
     try:
         return configured(**(extra_kwargs or {}))
     except Exception as e:
