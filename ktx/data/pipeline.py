@@ -29,7 +29,10 @@ mixture with a token-tagging task (`LabelSpace.tagging`) gives every row
 `ef.TAGGING_FEATURES` too (`token_labels` `[L]`, -100 where ignored; the truncation
 counts), sequence tasks' rows with nothing labelled there
 (`ef.convert_tagging`, `ef.sequence_rows_for_tagging`); what truncation cuts from a
-tagging task is logged. A mixture holds one kind of task (encoder or encoder-decoder).
+tagging task is logged. With a cosine head (`head_kinds`, a regression task of pairs)
+that task's texts are encoded alone (`ef.convert_encoder(separate=True)`) and every row
+of the mixture gets `ef.COSINE_FEATURES` (all padding for the other tasks). A mixture
+holds one kind of task (encoder or encoder-decoder).
 
 Task ids are indices in the mixture's registration order (sub-mixtures flattened in
 place, first occurrence wins), not the alphabetical order of `seqio.Mixture.tasks`.
