@@ -69,17 +69,19 @@ def _tiny_cli_args(tmp_path, *extra):
             "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 4}", *extra]
 
 
-def test_cli_precompile_survives_a_compiler_crash(tmp_path, capsys, monkeypatch):
-    # The test-only hook makes the compile's child process send itself SIGSEGV once the
-    # step is lowered, as libtpu's compiler did on XXL + HyperPrompt-Global on v4-32.
-    monkeypatch.setenv(TEST_CHILD_ENV, "SIGSEGV")
+@pytest.mark.parametrize("signal_name,number", [("SIGSEGV", 11), ("SIGKILL", 9)])
+def test_cli_precompile_survives_a_compiler_crash(tmp_path, capsys, monkeypatch, signal_name, number):
+    # The test-only hook makes the compile's child process send itself the signal once the
+    # step is lowered, as libtpu's compiler did (SIGSEGV) on XXL + HyperPrompt-Global.
+    monkeypatch.setenv(TEST_CHILD_ENV, signal_name)
     code = cli.main(_tiny_cli_args(tmp_path))
     out = capsys.readouterr()
     n = len(jax.devices())
     assert code == 4, out.err
     lines = [ln for ln in out.err.splitlines() if ln.startswith("ktx")]
     assert lines == [f"ktx precompile: topology cpu (mesh data={n // 2} x model=2): the compiler's "
-                     "process was killed by SIGSEGV (signal 11): a compiler crash, no figures"], out.err
+                     f"process was killed by {signal_name} (signal {number}): a compiler crash, "
+                     "no figures"], out.err
     assert "arguments" not in out.out
 
 
