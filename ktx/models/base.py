@@ -22,12 +22,17 @@ batch[ROW_ID][i])` only (`row_keys`; `ROW_ID` defaults to the row's position). T
 trainer numbers the rows of the global batch before it is cut into task blocks or
 microbatches, so every way of evaluating a batch (whole, blocks, one-hot VJP,
 microbatches) draws the same masks and computes the same gradient for the same rng.
+A module written with `flax.linen.Dropout` gets this without a change by running under
+`dropout_keyed_by_row(row_ids(batch))`: the whole batch goes through the module at once
+(no per-row `vmap`), and each `nn.Dropout` draws row `i`'s mask from
+`fold_in(its own make_rng key, row id i)`.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -35,8 +40,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "Batch", "BaseModel", "LOSS_NORMALIZATIONS", "ROW_ID", "RowDropout", "row_ids", "row_keys",
-    "segment_sum_by_task", "with_row_ids",
+    "Batch", "BaseModel", "LOSS_NORMALIZATIONS", "ROW_ID", "RowDropout", "dropout_keyed_by_row",
+    "row_ids", "row_keys", "segment_sum_by_task", "with_row_ids",
 ]
 
 Batch = Mapping[str, jax.Array]
@@ -77,9 +82,59 @@ class RowDropout(nn.Module):
     def __call__(self, x: jax.Array, ids: jax.Array, deterministic: bool) -> jax.Array:
         if deterministic or self.rate == 0.0:
             return x
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.make_rng("dropout"), ids)
-        keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - self.rate, x.shape[1:]))(keys)
-        return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
+        return _row_masked(x, self.rate, self.make_rng("dropout"), ids)
+
+
+def _row_masked(x: jax.Array, rate: float, key: jax.Array, ids: jax.Array,
+                broadcast_dims: tuple[int, ...] = ()) -> jax.Array:
+    """Inverted dropout of `x [B, ...]`, row `i`'s mask from `fold_in(key, ids[i])`
+    (shared along `broadcast_dims`, axes of `x`)."""
+    if x.shape[0] != ids.shape[0]:
+        raise ValueError(
+            f"row-keyed dropout: an input of shape {x.shape} does not lead with the batch's "
+            f"{ids.shape[0]} rows")
+    shape = list(x.shape)
+    for d in broadcast_dims:
+        if d % x.ndim == 0:
+            raise ValueError("row-keyed dropout cannot share a mask across rows "
+                             f"(broadcast_dims={tuple(broadcast_dims)} includes the batch axis)")
+        shape[d] = 1
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, ids)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, tuple(shape[1:])))(keys)
+    keep = jnp.broadcast_to(keep, x.shape)
+    return jax.lax.select(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+@contextlib.contextmanager
+def dropout_keyed_by_row(ids: jax.Array) -> Iterator[None]:
+    """Makes every `flax.linen.Dropout` called inside draw per-row masks: for an input
+    `[B, ...]`, row `i`'s mask comes from `fold_in(key, ids[i])`, `key` being the one
+    the layer would have used (its `make_rng`, or its `rng=` argument). `ids` `[B]`: the
+    batch's row numbers (`row_ids`). A mask then depends on the rng and the row's number
+    only, never on the other rows of the (sub-)batch. `broadcast_dims` keep their meaning
+    within a row; an input that does not lead with the `B` rows is an error."""
+    ids = jnp.asarray(ids)
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if not isinstance(module, nn.Dropout) or context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        names = ("inputs", "deterministic", "rng")
+        bound = dict(zip(names, args), **kwargs)
+        x = bound["inputs"]
+        deterministic = nn.merge_param(
+            "deterministic", module.deterministic, bound.get("deterministic"))
+        if module.rate == 0.0 or deterministic:
+            return x
+        if module.rate == 1.0:
+            return jnp.zeros_like(x)
+        key = bound.get("rng")
+        if key is None:
+            key = module.make_rng(module.rng_collection)
+        return _row_masked(x, module.rate, key, ids, tuple(module.broadcast_dims))
+
+    with nn.intercept_methods(intercept):
+        yield
 
 
 def segment_sum_by_task(values: jax.Array, task_id: jax.Array, num_tasks: int) -> jax.Array:

@@ -37,7 +37,8 @@ from ktx.models.base import (
     LOSS_NORMALIZATIONS,
     Batch,
     BaseModel,
-    row_keys,
+    dropout_keyed_by_row,
+    row_ids,
     segment_sum_by_task,
 )
 
@@ -272,30 +273,12 @@ class EncoderDecoderModel(BaseModel):
         if mutable:
             raise ValueError("logits(mutable=...) needs train=False (or dropout_rate=0)")
 
-        # Dropout keyed per example (`ktx.models.base.row_keys`): row i's masks depend on
-        # (rng, row id) only, so task blocks and microbatches draw the whole batch's masks.
-        # The rows are mapped over with the mesh axes of `batch` as the vmap's SPMD axis,
-        # and inside, no logical axis maps to those mesh axes (the one-row batch axis;
-        # `embed` under 2-D parameter sharding): each device runs its own rows. (Without this the module's `batch` constraints land on the size-1
-        # axis and every device computed every row: 25x the FLOPs of T5.1.1-Base on a
-        # 32-way data mesh.)
-        rules = tuple(nn.get_logical_axis_rules())
-        spmd = nn.logical_to_mesh_axes(("batch",), rules)[0] if rules else None
-        taken = set((spmd,) if isinstance(spmd, str) else spmd or ())
-
-        def free(axes):  # a mesh axis the vmap maps rows over cannot shard anything inside
-            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            return None if taken & set(names) else axes
-
-        inner_rules = tuple((name, free(axes)) for name, axes in rules)
-
-        def one(row, key):
-            row = {k: v[None] for k, v in row.items()}
-            with nn.logical_axis_rules(inner_rules):
-                return self.module.apply(
-                    {"params": params}, **row, enable_dropout=True, rngs={"dropout": key})[0]
-
-        return jax.vmap(one, spmd_axis_name=spmd)(features, row_keys(rng, batch))
+        # Dropout keyed per example (`ktx.models.base.dropout_keyed_by_row`): row i's masks
+        # depend on (rng, row id) only, so task blocks and microbatches draw the whole
+        # batch's masks; the batch still runs through the module at once.
+        with dropout_keyed_by_row(row_ids(batch)):
+            return self.module.apply(
+                {"params": params}, **features, enable_dropout=True, rngs={"dropout": rng})
 
     def task_weights(self, batch: Batch) -> jax.Array:
         """`[T]` number of (weighted) target tokens of each task."""

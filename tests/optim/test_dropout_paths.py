@@ -116,4 +116,7 @@ def test_trainer_plain_balanced_and_microbatched_agree_under_dropout():
                    {"num_microbatches": 4}):
         got, p_got = _three_steps(model, batch, **kwargs)
         np.testing.assert_allclose(got, plain, rtol=1e-5, err_msg=str(kwargs))
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_got, p_plain)
+        # Adam's step is g / sqrt(v): an element whose gradient is ~0 turns a rounding
+        # difference of the summation order into a step of up to lr (1e-2); 5e-5 is 0.2% of
+        # what 3 steps can move a parameter.
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), p_got, p_plain)
