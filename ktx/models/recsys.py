@@ -226,6 +226,9 @@ class RecsysModel(BaseModel):
         )
 
     shared_param_patterns = SHARED_PARAM_PATTERNS
+    # The Trainer's default `sparse_tables`: per-task gradients of the two tables stay
+    # looked-up rows (`ktx.optim.sparse`).
+    sparse_table_patterns = (r"^user_embedding/embedding$", r"^item_embedding/embedding$")
 
     # --- BaseModel -----------------------------------------------------------------
     def init_variables(self, rng: jax.Array, batch: Batch) -> Any:

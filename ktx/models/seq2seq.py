@@ -186,6 +186,13 @@ class EncoderDecoderModel(BaseModel):
         self.eos_id = int(eos_id)
         self.decoder_start_id = int(decoder_start_id)
 
+    @property
+    def sparse_table_patterns(self) -> tuple[str, ...]:
+        """Tables whose per-task gradients the balanced path keeps as looked-up rows
+        (`ktx.optim.sparse`; the Trainer's default `sparse_tables`): the token embedding,
+        unless the logits are tied to it (`logits_via_embedding`, a dense gradient)."""
+        return () if self.config.logits_via_embedding else (r"^token_embedder/embedding$",)
+
     def __repr__(self) -> str:
         return (
             f"EncoderDecoderModel(module={type(self.module).__name__}, config={self.config}, "

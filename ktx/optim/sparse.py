@@ -1,15 +1,16 @@
-"""Sparse per-task gradients of embedding tables (`flax.linen.Embed` lookups).
+"""Sparse per-task gradients of embedding tables (`flax.linen.Embed` lookups, or any
+module whose `embedding` parameter is read through `__call__(ids)`, as T5's `Embed`).
 
 A task's gradient of a gathered table touches only the rows it looked up. Instead of a
 `[T, vocab, dim]` gradient, the engine differentiates with respect to the *looked-up
-rows*: every lookup `table[idx]` of a selected table is intercept-ed
-(`flax.linen.intercept_methods`) and replaced by `stop_gradient(table)[idx] + delta`,
+rows*: the table is held constant, and every lookup `table[idx]` of a selected table is
+intercept-ed (`flax.linen.intercept_methods`) and returned as `table[idx] + delta`,
 with `delta` a zero input of the lookup's shape. The gradient with respect to `delta` is
 each occurrence's row gradient; duplicate indices are merged per task (sort + segment
 sum), giving `SparseRows` whose norms equal the dense per-task gradients' norms and
 which a balancer scatters once into the table's update.
 
-A selected table must only be used through `Embed.__call__`; `Embed.attend` (tied
+A selected table must only be used through its module's `__call__`; `attend` (tied
 output embeddings) raises, since its gradient is dense.
 """
 
@@ -72,21 +73,21 @@ class SparseLookups:
     def _interceptor(self, deltas: list | None, record: list):
         def intercept(next_fun, args, kwargs, context):
             module = context.module
-            if not isinstance(module, nn.Embed):
-                return next_fun(*args, **kwargs)
             name = "/".join(tuple(str(p) for p in module.path) + ("embedding",))
             if name not in self.table_names:
                 return next_fun(*args, **kwargs)
             if context.method_name == "attend":
                 raise ValueError(
-                    f"sparse_tables: {name} is also used by Embed.attend (a dense gradient); "
-                    "leave it out of sparse_tables"
+                    f"sparse_tables: {name} is also used by {type(module).__name__}.attend (a "
+                    "dense gradient, e.g. tied output embeddings); leave it out of sparse_tables"
                 )
             if context.method_name != "__call__":
                 return next_fun(*args, **kwargs)
             idx = jnp.asarray(args[0] if args else kwargs["inputs"])
-            table = jax.lax.stop_gradient(module.embedding)
-            out = jnp.take(table, idx, axis=0)
+            # The table is a constant of `fn`'s differentiated function, so the lookup
+            # itself (with the module's dtype and sharding constraints) gives no table
+            # gradient; `delta` carries the rows'.
+            out = next_fun(*args, **kwargs)
             k = len(record)
             record.append((name, idx))
             if deltas is not None:

@@ -86,8 +86,11 @@ class StepOptions:
       num_microbatches: gradient accumulation factor M (divides the batch).
       grad_method: balanced path: "auto" | "blocks" | "vjp" (`compute_task_gradients`).
       shared: balanced path: regexes of balanced parameters (None: the engine's default).
-      sparse_tables: balanced path: regexes of `nn.Embed` tables whose per-task gradients
-        stay sparse (looked-up rows only; recommendation tables). Needs M = 1.
+      sparse_tables: balanced path: regexes of embedding tables whose per-task gradients
+        stay sparse (looked-up rows only, `ktx.optim.sparse`). Needs M = 1. None (the
+        default): the model's `sparse_table_patterns` (T5's untied token embedding, the
+        recommendation tables) where M = 1 and rows are not uncertainty-selected; `()`:
+        none.
       task_capacity: balanced path: static rows per task block (the most each task has
         had); the counts themselves are read from `task_id` in the step.
       check_layout: balanced path: check in the step that the rows are grouped by task as
@@ -131,6 +134,9 @@ class StepOptions:
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
+            if name == "sparse_tables" and value is not None:
+                object.__setattr__(self, name, tuple(value))  # () (none) is not None (default)
+                continue
             object.__setattr__(self, name, tuple(value) if value else None)
         u = self.uncertainty_rows
         if isinstance(u, bool) or not isinstance(u, int) or u < 0:
@@ -402,6 +408,11 @@ class Trainer:
             raise TypeError(f"Trainer: unknown arguments {sorted(unknown)}; step options are "
                             f"{[f.name for f in dataclasses.fields(StepOptions)]}")
         options = options if options is not None else StepOptions(**option_fields)
+        if options.sparse_tables is None:
+            default = tuple(getattr(model, "sparse_table_patterns", ()) or ())
+            usable = (optimizer.balanced and options.num_microbatches == 1
+                      and not options.uncertainty_rows)
+            options = dataclasses.replace(options, sparse_tables=default if usable else ())
         if not 0 <= int(options.target_task) < model.num_tasks:
             raise ValueError(
                 f"target_task={options.target_task!r}; accepted: 0..{model.num_tasks - 1}")
