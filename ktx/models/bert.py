@@ -47,7 +47,7 @@ layer norms and the MLM logits in float32.
 Dropout (`dropout_rate`, transformers' `hidden_dropout_prob`) on the embedding output and
 on both sub-block outputs before the residual sum; `attention_dropout_rate`
 (`attention_probs_dropout_prob`) on the attention probabilities. Masks come from the
-`dropout` rng; the models draw them per example (`ktx.models.base.row_keys`).
+`dropout` rng; the models draw them per example (`ktx.models.base.dropout_keyed_by_row`).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ Parameters (measured with `ktx params`, shapes only): BERT-Base, 9 GLUE tasks,
     counts them. Most of the difference to 1.12x is the conditional layer norms' FiLM
     generators (E x 2E each, 12 of them: 14.2M) and the alignment (1.2M).
 
-Dropout (BERT's rates) is keyed per row (`ktx.models.base.row_keys`), as
+Dropout (BERT's rates) is keyed per row (`ktx.models.base.dropout_keyed_by_row`), as
 `ktx.models.encoder.EncoderClassifierModel`; the bottleneck has none (as the reference).
 
 The modules (configuration, FiLM generators, attention bias, conditional layer norm,

@@ -44,7 +44,7 @@ a second time, on `input_ids_b`, for every row of the batch (rows of other tasks
 all-padding `input_ids_b` whose output no head reads), so a step costs about two forward
 and backward passes; its second pass draws dropout from `fold_in(rng, 1)`.
 
-Dropout is drawn per example (`ktx.models.base.row_keys`, a per-row vmap as
+Dropout is drawn per example (`ktx.models.base.dropout_keyed_by_row`, as
 `EncoderDecoderModel`), so task blocks and microbatches reproduce the whole batch's masks.
 
 Options every ktx encoder classifier shares (CA-MTL, PALs and TEA subclass this model):
@@ -70,7 +70,14 @@ import jax
 import jax.numpy as jnp
 
 from ktx.models import bert
-from ktx.models.base import LOSS_NORMALIZATIONS, Batch, BaseModel, row_keys, segment_sum_by_task
+from ktx.models.base import (
+    LOSS_NORMALIZATIONS,
+    Batch,
+    BaseModel,
+    dropout_keyed_by_row,
+    row_ids,
+    segment_sum_by_task,
+)
 from ktx.partitioning import EMBED
 
 __all__ = ["TASK_HEADS_SCOPE", "TaskHeads", "BertClassifier", "EncoderClassifierModel",
@@ -481,14 +488,11 @@ class EncoderClassifierModel(BaseModel):
         if rng is None:
             raise ValueError("train=True with dropout needs an rng")
 
-        # Dropout keyed per example: row i's masks depend on (rng, row id) only.
-        def one(row, key):
-            row = {k: v[None] for k, v in row.items()}
-            out = self.module.apply({"params": params}, **row, deterministic=False,
-                                    rngs={"dropout": key})
-            return tuple(o[0] for o in out)
-
-        return jax.vmap(one)(features, row_keys(rng, batch))
+        # Dropout keyed per example: row i's masks depend on (rng, row id) only
+        # (`ktx.models.base.dropout_keyed_by_row`); the batch runs through the module at once.
+        with dropout_keyed_by_row(row_ids(batch)):
+            return self.module.apply({"params": params}, **features, deterministic=False,
+                                     rngs={"dropout": rng})
 
     def normalised_entropy(self, params: Any, batch: Batch) -> jax.Array:
         """`[B]` normalised entropy of each row's own head (deterministic forward, no

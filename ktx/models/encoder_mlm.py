@@ -33,7 +33,7 @@ that batch-level form couples the rows of a batch, which the per-task gradients
 
 Aux `[T]` sums: `loss` (the MLM part), `infusion` (β/S_b spread over the row's positions),
 `accuracy` (masked positions whose argmax is the target), `weight` (masked positions).
-Dropout is drawn per example (`ktx.models.base.row_keys`), so task blocks and microbatches
+Dropout is drawn per example (`ktx.models.base.dropout_keyed_by_row`), so task blocks and microbatches
 reproduce the whole batch's masks. Parameters: `bert.BertEncoder` with its pooler (kept
 so that a fine-tuning run started from this checkpoint finds a pretrained pooler; it gets
 no gradient here) and `mlm/...`.
@@ -48,7 +48,14 @@ import jax
 import jax.numpy as jnp
 
 from ktx.models import bert
-from ktx.models.base import LOSS_NORMALIZATIONS, Batch, BaseModel, row_keys, segment_sum_by_task
+from ktx.models.base import (
+    LOSS_NORMALIZATIONS,
+    Batch,
+    BaseModel,
+    dropout_keyed_by_row,
+    row_ids,
+    segment_sum_by_task,
+)
 from ktx.models.seq2seq import infusion_term
 
 __all__ = ["EncoderMlmModel", "MLM_FEATURES"]
@@ -138,13 +145,9 @@ class EncoderMlmModel(BaseModel):
         if rng is None:
             raise ValueError("train=True with dropout needs an rng")
 
-        def one(row, key):  # row i's masks depend on (rng, row id) only
-            row = {k: v[None] for k, v in row.items()}
-            out = self.module.apply({"params": params}, **row, deterministic=False, mlm=True,
-                                    pool=False, rngs={"dropout": key})
-            return out.mlm_logits[0]
-
-        return jax.vmap(one)(features, row_keys(rng, batch))
+        with dropout_keyed_by_row(row_ids(batch)):  # row i's masks: (rng, row id) only
+            return self.module.apply({"params": params}, **features, deterministic=False,
+                                     mlm=True, pool=False, rngs={"dropout": rng}).mlm_logits
 
     def task_weights(self, batch: Batch) -> jax.Array:
         """`[T]` masked positions of each task."""

@@ -60,12 +60,11 @@ MODELS = {"t5": (_t5, _t5_batch), "recsys": (_recsys, _recsys_batch)}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("method,sparse", [("blocks", False), ("vjp", False), ("blocks", True)])
+@pytest.mark.parametrize("method,sparse", [("blocks", False), ("vjp", False), ("blocks", True),
+                                           ("vjp", True)])
 def test_task_gradients_sum_to_the_plain_gradient_under_dropout(name, method, sparse):
     make_model, make_batch = MODELS[name]
     model = make_model()
-    if sparse and name != "recsys":
-        pytest.skip("sparse tables: the recommendation model's embedding tables")
     batch = with_row_ids({k: jnp.asarray(v) for k, v in make_batch().items()})
     params = jax.tree.map(lambda x: getattr(x, "value", x),
                           model.init_variables(jax.random.key(0), batch)["params"],
@@ -81,7 +80,7 @@ def test_task_gradients_sum_to_the_plain_gradient_under_dropout(name, method, sp
             lambda q, b: model.loss_sums(q, b, rng, True), normalizer, p, batch,
             num_tasks=model.num_tasks, task_counts=COUNTS if method == "blocks" else None,
             method=method, shared="all",
-            sparse_tables=(r"(user|item)_embedding/embedding",) if sparse else None)
+            sparse_tables=model.sparse_table_patterns if sparse else None)
 
     losses, _, tg = per_task(params)
     summed = optim.TaskGradients(stacked=tg.stacked, summed=tg.summed)
@@ -120,3 +119,71 @@ def test_trainer_plain_balanced_and_microbatched_agree_under_dropout():
         # difference of the summation order into a step of up to lr (1e-2); 5e-5 is 0.2% of
         # what 3 steps can move a parameter.
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), p_got, p_plain)
+
+
+def _dense_rows(g, task):
+    """Task `task`'s gradient of a table from its `SparseRows`."""
+    table = jnp.zeros((g.num_rows, g.rows.shape[-1]), g.rows.dtype)
+    return table.at[g.indices[task]].add(g.rows[task])
+
+
+@pytest.mark.parametrize("method", ["blocks", "vjp"])
+def test_t5_sparse_token_embedding_rows_equal_the_dense_task_gradients(method):
+    """Every task's rows of T5's token embedding (looked up by the encoder and the decoder),
+    scattered back, equal its dense per-task gradient, and its other leaves are unchanged."""
+    model = _t5(0.1)
+    batch = with_row_ids({k: jnp.asarray(v) for k, v in _t5_batch(1).items()})
+    params = jax.tree.map(lambda x: getattr(x, "value", x),
+                          model.init_variables(jax.random.key(0), batch)["params"],
+                          is_leaf=lambda x: hasattr(x, "value"))
+    rng = jax.random.key(5)
+    normalizer = model.normalizer(batch)
+    assert model.sparse_table_patterns == (r"^token_embedder/embedding$",)
+
+    def grads(sparse):
+        return compute_task_gradients(
+            lambda q, b: model.loss_sums(q, b, rng, True), normalizer, params, batch,
+            num_tasks=model.num_tasks, task_counts=COUNTS if method == "blocks" else None,
+            method=method, shared="all",
+            sparse_tables=model.sparse_table_patterns if sparse else None)[2].stacked
+
+    sparse, dense = jax.jit(lambda: grads(True))(), jax.jit(lambda: grads(False))()
+    rows = sparse["token_embedder"]["embedding"]
+    assert isinstance(rows, optim.SparseRows)
+    for t in range(len(COUNTS)):
+        np.testing.assert_allclose(_dense_rows(rows, t), dense["token_embedder"]["embedding"][t],
+                                   rtol=1e-5, atol=1e-7)
+    rest = lambda tree: {k: v for k, v in tree.items() if k != "token_embedder"}  # noqa: E731
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 rest(sparse), rest(dense))
+
+
+def test_tied_t5_keeps_a_dense_token_embedding():
+    """Tied logits read the table through `attend` (a dense gradient): no sparse default,
+    and asking for it is an error that names the table."""
+    cfg = t5.T5Config(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=32,
+                      num_encoder_layers=1, num_decoder_layers=1, logits_via_embedding=True)
+    model = seq2seq.EncoderDecoderModel(cfg, num_tasks=len(COUNTS))
+    assert model.sparse_table_patterns == ()
+    batch = with_row_ids({k: jnp.asarray(v) for k, v in _t5_batch().items()})
+    params = jax.tree.map(lambda x: getattr(x, "value", x),
+                          model.init_variables(jax.random.key(0), batch)["params"],
+                          is_leaf=lambda x: hasattr(x, "value"))
+    with pytest.raises(ValueError, match="token_embedder/embedding is also used by Embed.attend"):
+        compute_task_gradients(
+            lambda q, b: model.loss_sums(q, b, None, False), model.normalizer(batch), params,
+            batch, num_tasks=model.num_tasks, task_counts=COUNTS, method="blocks",
+            sparse_tables=(r"^token_embedder/embedding$",))
+
+
+def test_trainer_takes_the_models_sparse_tables_by_default():
+    model = _t5(0.1)
+    balanced = trainer_lib.Trainer(model, optax.adam(1e-2), balancer=optim.metabalance(num_tasks=4))
+    assert balanced.options.sparse_tables == model.sparse_table_patterns
+    off = trainer_lib.Trainer(model, optax.adam(1e-2), balancer=optim.metabalance(num_tasks=4),
+                              sparse_tables=())
+    assert off.options.sparse_tables == ()
+    micro = trainer_lib.Trainer(model, optax.adam(1e-2), balancer=optim.metabalance(num_tasks=4),
+                                num_microbatches=2)
+    assert micro.options.sparse_tables == ()  # rows are not accumulated over microbatches
+    assert trainer_lib.Trainer(model, optax.adam(1e-2)).options.sparse_tables == ()
