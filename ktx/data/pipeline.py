@@ -37,43 +37,46 @@ holds one kind of task (encoder or encoder-decoder).
 Task ids are indices in the mixture's registration order (sub-mixtures flattened in
 place, first occurrence wins), not the alphabetical order of `seqio.Mixture.tasks`.
 
-Each process gathers only its own rows: rows `[i * B / P, (i + 1) * B / P)` of the
-global batch for `process_index = i` of `P`; `jax.make_array_from_process_local_data`
+Each process gathers only its own rows: unsharded, rows `[i * B / P, (i + 1) * B / P)` of
+the global batch for `process_index = i` of `P`; `jax.make_array_from_process_local_data`
 (`ktx.partitioning.host_local_to_global`) assembles the global array.
 
-Sharded input (`shard_by_process`). Unsharded, every process reads and caches every task
-in full and gathers its rows of the one global stream above. Sharded, process `i` reads
-only shard `i` of `P` of each task's training split (`task.get_dataset(...,
-shard_info=seqio.ShardInfo(i, P))`: ktx's sources, and SeqIO for a
-`FunctionDataSource`, split the examples round-robin, so shard sizes differ by at most
+Sharded input (`shard_by_process`, the default with `P > 1`). Unsharded, every process
+reads and caches every task in full and gathers its rows of the one global stream above.
+Sharded, process `i` reads only shard `i` of `P` of each task's training split
+(`task.get_dataset(..., shard_info=seqio.ShardInfo(i, P))`: ktx's sources, and SeqIO for
+a `FunctionDataSource`, split the examples round-robin, so shard sizes differ by at most
 one row; a file-sharded source (SeqIO's offline cache with at least `P` files) splits by
 file). The processes exchange their shard sizes once (an all-gather; processes simulated
 in one, with `process_index` / `process_count` given, read the other shards to count
-them): `task_sizes` is GLOBAL, the sum over the shards, so the mixing schedule, the counts
-and the task layout of the global batch are those of the unsharded input, while
-`shard_task_sizes` is this process's shard. The process's rows of step `s` keep the
-layout: `process_task_counts(s)[t]`, the overlap of task `t`'s block with its row range,
-come from its own shard, in a per-(seed, task, shard epoch, process) permutation of the
-shard, read as a stream from the position `shard_cursors(s)[t]` = the sum of those overlaps
-over the steps before `s`: every row of a shard is read once per shard epoch (epochs are
-per shard: `shard_epochs_seen`; `epochs_seen` stays global). `shard_cursors` is
+them): `task_sizes` is GLOBAL, the sum over the shards, so the mixing schedule and the
+counts of the global batch are those of the unsharded input, while `shard_task_sizes` is
+this process's shard. The process supplies `process_task_counts(s)[t]` rows of task `t`
+at step `s`, from its own shard, in a per-(seed, task, shard epoch, process) permutation
+of the shard, read as a stream from the position `shard_cursors(s)[t]` = the sum of those
+rows over the steps before `s`: every row of a shard is read once per shard epoch (epochs
+are per shard: `shard_epochs_seen`; `epochs_seen` stays global). `shard_cursors` is
 vectorised over the steps with numpy (no batch replayed: 0.4 s at step 1e6 for
 synthetic_quickstart's 4 tasks, annealed or not, on one CPU core) and advanced by one
-step's overlaps while iterating, so a resumed process recomputes its position from the
-step alone. The sampled layout draws each row's example from the process's shard.
+step's rows while iterating, so a resumed process recomputes its position from the step
+alone. Which rows a process supplies:
 
-A task's rows of a mixed task-partitioned batch lie on the few processes its block
-overlaps, so its shard on any other process would never be read, and the shards it is
-spread over are read at different paces (their processes' shares of its rows). The
-default (`shard_by_process=None`) therefore shards only when every process supplies rows
-of every task at the same pace: layout "sampled", one task per batch
-(`Mixing(batches="task_per_batch" | "round_robin")`: each process supplies `B / P` rows
-of the batch's task) or a single task; a mixed task-partitioned batch of several tasks
-reads every task in full, with a warning. `shard_by_process=True` forces sharding there
-and warns, per task, with each process's share of its rows and the shards never read.
+* mixed task-partitioned batches of several tasks: every process supplies its share of
+  EVERY task, `floor` or `ceil` of `counts[t] / P` with `B / P` rows in all
+  (`ktx.data.process_layout.process_shares`; the remainder rows go round the processes
+  from an offset that moves with the step, so every shard is read at the pace of the
+  others), its rows grouped by task in task order. The global batch is then
+  process-grouped, `[p0: t0 t1 ..][p1: t0 t1 ..] ..`, with `counts[t]` rows of task `t`
+  in all but not grouped by task: `process_grouped` is True, and the Trainer
+  (`StepOptions.regroup_by_task`, set by `ktx.runs.train` from it) sorts the rows by task
+  inside the step for the balanced path's task blocks;
+* one task per batch (`Mixing(batches="task_per_batch" | "round_robin")`) or a single
+  task: its row range of the global batch, `B / P` rows of the batch's task;
+* layout "sampled": each row's example is drawn from the process's shard.
+
 Evaluation (`eval_batches`, `eval_arrays`) always reads the whole evaluation split in
 every process, sharded or not. With `process_count == 1`, or `shard_by_process=False`,
-batches are those of the unsharded input (bit-identical).
+batches are those of the unsharded input (bit-identical), task-grouped.
 
 Memory: the cache holds every converted row of every task (of this process's shards,
 sharded: about `1 / P` of it) in compact dtypes (tokens
@@ -104,6 +107,7 @@ from ktx.data import feature_converter as fc
 from ktx.data import files
 from ktx.data import mixing as mixing_lib
 from ktx.data import mlm_features
+from ktx.data import process_layout
 from ktx.data import seqio_cache
 from ktx.data import wordpiece
 
@@ -270,12 +274,11 @@ class MultiTaskInput:
         to SeqIO's global cache directories (`seqio.add_global_cache_dirs`); None: the
         tasks must be cached in those already set.
       shard_by_process: read only shard `process_index` of `process_count` of every task's
-        training split (`seqio.ShardInfo`; module docstring, "Sharded input"). None: True
-        when `process_count > 1` and every process supplies rows of every task at the same
-        pace (layout "sampled", one task per batch, or a single task); a mixed
-        task-partitioned batch of several tasks reads every task in full (as with False),
-        with a warning saying why. Ignored (False) when `process_count == 1`. From gin:
-        `pipeline.MultiTaskInput.shard_by_process = True`.
+        training split (`seqio.ShardInfo`; module docstring, "Sharded input"; mixed
+        task-partitioned batches become process-grouped, `process_grouped`). None (the
+        default): True when `process_count > 1`. False: every process reads every task in
+        full and its slice of the task-grouped global batch. Ignored (False) when
+        `process_count == 1`. From gin: `pipeline.MultiTaskInput.shard_by_process = False`.
     """
 
     def __init__(
@@ -402,26 +405,23 @@ class MultiTaskInput:
         return tuple(int(n) for n in self.shard_sizes[self.process_index if self.sharded else 0])
 
     def _mixes_tasks_in_blocks(self) -> bool:
-        """Whether batches are task-partitioned with several tasks sharing a batch: each
-        task's rows then lie on the processes its block overlaps, not on all of them."""
+        """Whether batches are task-partitioned with several tasks sharing a batch."""
         return (self.layout == "task_partitioned" and self.mixing.batches == "mixed"
                 and self.num_tasks > 1)
+
+    @property
+    def process_grouped(self) -> bool:
+        """Whether the global batch is process-grouped, `[p0: t0 t1 ..][p1: t0 t1 ..] ..`
+        (sharded, task-partitioned mixed batches of several tasks: each process supplies
+        its share of every task, `ktx.data.process_layout`), not grouped by task: the
+        Trainer then regroups the rows by task in the step (`StepOptions.regroup_by_task`,
+        set from this by `ktx.runs.train`)."""
+        return self.sharded and self._mixes_tasks_in_blocks()
 
     def _resolve_sharding(self, shard_by_process: bool | None) -> bool:
         if self.process_count == 1:
             return False
-        if shard_by_process is not None:
-            return bool(shard_by_process)
-        if self._mixes_tasks_in_blocks():
-            logging.warning(
-                "MultiTaskInput %s: every process reads every task in full: with "
-                "task-partitioned mixed batches each task's rows lie on the few processes its "
-                "block overlaps, so the other processes' shards of it would never be read. "
-                "Shard the input with layout='sampled' or Mixing(batches='task_per_batch' or "
-                "'round_robin'), or force it with shard_by_process=True",
-                self.mixture_or_task_name)
-            return False
-        return True
+        return True if shard_by_process is None else bool(shard_by_process)
 
     def _gather_shard_sizes(self, local: Sequence[int]) -> np.ndarray:
         """`[P, T]` every process's shard sizes: an all-gather across the JAX processes,
@@ -443,8 +443,7 @@ class MultiTaskInput:
         return sizes
 
     def _check_shards(self) -> None:
-        """Every shard of a task with a positive rate has rows; with task-partitioned mixed
-        batches, warn about shards whose process gets no rows of their task."""
+        """Every shard of a task with a positive rate has rows."""
         positive = (self.schedule.rates > 0).any(axis=0)
         for t, name in enumerate(self.task_names):
             empty = np.flatnonzero(self.shard_sizes[:, t] == 0)
@@ -453,37 +452,26 @@ class MultiTaskInput:
                     f"task {name!r} has {self.task_sizes[t]} rows in split {self.split!r}: its "
                     f"shards {empty.tolist()} of {self.process_count} are empty but the task has "
                     "a positive mixing rate; use shard_by_process=False")
-        if not self._mixes_tasks_in_blocks():
-            return
-        window = [np.arange(start, start + 2048) for start in self.schedule.starts]
-        steps = np.unique(np.concatenate(window))
-        rows = np.stack([self._process_rows(steps, i).sum(axis=0)
-                         for i in range(self.process_count)])  # [P, T]
-        share = rows / np.maximum(rows.sum(axis=0, keepdims=True), 1)
-        for t, name in enumerate(self.task_names):
-            never = np.flatnonzero(positive[t] & (rows[:, t] == 0))
-            if never.size or np.ptp(share[:, t]) > 0.01:
-                logging.warning(
-                    "shard_by_process=True with task-partitioned mixed batches: task %r's rows "
-                    "come from the processes its block overlaps (shares of its rows per "
-                    "process %s)%s; each shard is read at its own process's pace. "
-                    "layout='sampled' or one task per batch reads all shards evenly",
-                    name, np.round(share[:, t], 3).tolist(),
-                    f"; the shards of processes {never.tolist()} are never read" if never.size else "")
 
     def _process_rows(self, steps: np.ndarray, process_index: int) -> np.ndarray:
         """`[N, T]` rows of each task that process `process_index` supplies at each of
-        `steps` (task-partitioned layout): its row range's overlap with the task blocks."""
-        lo = process_index * self.local_batch_size
-        hi = lo + self.local_batch_size
+        `steps` (task-partitioned layout): its share of every task when process-grouped
+        (`ktx.data.process_layout.process_shares`), else its row range's overlap with the
+        task blocks (one task per batch: `B / P` rows of the batch's task)."""
         consumed = self.schedule.consumed_before_many(np.concatenate([steps, steps + 1]))
         counts = consumed[steps.size:] - consumed[:steps.size]
+        if self.process_grouped:
+            return process_layout.process_shares(counts, self.process_count, steps, process_index)
+        lo = process_index * self.local_batch_size
+        hi = lo + self.local_batch_size
         ends = np.cumsum(counts, axis=1)
         return np.clip(ends, lo, hi) - np.clip(ends - counts, lo, hi)
 
     def process_task_counts(self, step: int) -> tuple[int, ...] | None:
         """Rows of each task among THIS process's rows of the global batch of `step`
-        (task-partitioned layout; they sum to `local_batch_size`); None for "sampled"."""
+        (task-partitioned layout, grouped by task in task order; they sum to
+        `local_batch_size`; summed over the processes, `task_counts(step)`); None for
+        "sampled"."""
         if self.layout == "sampled":
             return None
         rows = self._process_rows(np.array([self._step(step)]), self.process_index)[0]
@@ -601,8 +589,9 @@ class MultiTaskInput:
         return self.task_names.index(task_name)
 
     def task_counts(self, step: int) -> tuple[int, ...] | None:
-        """Rows of each task in the GLOBAL batch of `step` (contiguous blocks, task order);
-        None for the sampled layout."""
+        """Rows of each task in the GLOBAL batch of `step` (contiguous blocks in task order,
+        or, `process_grouped`, in all the processes' task-ordered rows together); None for
+        the sampled layout."""
         if self.layout == "sampled":
             return None
         return self.schedule.counts_at(self._step(step))
@@ -644,26 +633,22 @@ class MultiTaskInput:
         hi = lo + self.local_batch_size
         if self.layout == "sampled":
             return self._sampled_batch(step, lo, hi)
+        if self.sharded:  # this process's own stream of its shard: its rows of each task
+            cursors = self.shard_cursors(step)
+            rows = self._process_rows(np.array([step]), self.process_index)[0]
+            parts = [self._gather(t, self._indices(t, cursors[t] + np.arange(rows[t])))
+                     for t in range(self.num_tasks) if rows[t]]
+            self._cursor_at = (step + 1, cursors + rows)
+            return self._concat(parts)
         counts = np.asarray(self.schedule.counts_at(step), np.int64)
         block_starts = np.concatenate([[0], np.cumsum(counts)])
-        if self.sharded:  # this process's own stream of its shard
-            cursors = self.shard_cursors(step)
-            rows = np.zeros(self.num_tasks, np.int64)
-        else:
-            cursors = self.schedule.consumed_before(step)
+        cursors = self.schedule.consumed_before(step)
         parts = []
         for t in range(self.num_tasks):
             a, b = max(lo, block_starts[t]), min(hi, block_starts[t + 1])
-            if a >= b:
-                continue
-            if self.sharded:
-                positions = cursors[t] + np.arange(b - a)
-                rows[t] = b - a
-            else:
+            if a < b:
                 positions = cursors[t] + np.arange(a - block_starts[t], b - block_starts[t])
-            parts.append(self._gather(t, self._indices(t, positions)))
-        if self.sharded:
-            self._cursor_at = (step + 1, cursors + rows)
+                parts.append(self._gather(t, self._indices(t, positions)))
         return self._concat(parts)
 
     def _sampled_batch(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:

@@ -53,7 +53,10 @@ class TrainInput(Protocol):
     `task_counts(step)` gives the rows per task of a task-partitioned batch (rows of task
     t contiguous, tasks in id order; the balanced step's blocks), or None for a sampled
     batch. `task_names` are in `task_id` order. Optional: `steps_per_epoch` (periods in
-    epochs) and `eval_batches(task, split, batch_size)` (`ktx.runs.eval.TeacherForcedEvaluator`).
+    epochs), `eval_batches(task, split, batch_size)` (`ktx.runs.eval.TeacherForcedEvaluator`)
+    and `process_grouped` (True: the global batch is each process's rows grouped by task,
+    one process after another, with `task_counts` rows of each task in all; the Trainer
+    regroups them, `StepOptions.regroup_by_task`).
     Implementations: `ktx.data.pipeline.MultiTaskInput` (SeqIO tasks and mixtures),
     `ktx.data.recsys.RecsysTrainInput`.
     """
@@ -278,6 +281,8 @@ def train(
         sparse_tables=sparse_tables, diagnostics_period=log_period if log_diagnostics else 0,
         target_task=target_task, uncertainty_rows=mt_uncertainty_rows, norm_metrics=norm_metrics,
         uncertainty_proxies=proxies,
+        # A sharded MultiTaskInput's process-grouped batches: the step regroups them by task.
+        regroup_by_task=bool(getattr(train_input, "process_grouped", False)),
     )
     first_batch = train_input.get_batch(0)
     candidates = _host_rows(first_batch) * jax.process_count()

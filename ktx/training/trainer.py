@@ -13,7 +13,9 @@ options, not copies.
   optimizer;
 * balanced (a `ktx.optim` balancer in the `TaskOptimizer`):
   `ktx.optim.compute_task_gradients` builds per-task gradients (task blocks, one-hot VJP,
-  sparse embedding-table rows) and the balancer combines them before the optimizer;
+  sparse embedding-table rows) and the balancer combines them before the optimizer; a
+  process-grouped batch (a sharded input's, `StepOptions.regroup_by_task`) is sorted by
+  task in the step first, for the task blocks;
 * microbatched (`StepOptions.num_microbatches = M`): the batch `[B, ...]` is cut into M
   slices `[B / M, ...]` accumulated by one `lax.scan` (`accumulate`); each slice's loss
   sums are divided by the normalizer of the *whole* batch, so the accumulated gradient
@@ -58,6 +60,8 @@ __all__ = [
     "Trainer",
     "split_microbatches",
     "opt_state_shardings",
+    "group_rows_by_task",
+    "check_process_grouped",
 ]
 
 
@@ -95,6 +99,14 @@ class StepOptions:
         had); the counts themselves are read from `task_id` in the step.
       check_layout: balanced path: check in the step that the rows are grouped by task as
         the blocks promise (False when the host already checked, `Trainer.global_batch`).
+      regroup_by_task: the global batch is process-grouped (`[p0: t0 t1 ..][p1: t0 t1 ..]
+        ..`: each process's rows grouped by task, `ktx.data.process_layout`; a sharded
+        `MultiTaskInput`'s `process_grouped`), not grouped by task: the task-block path
+        sorts the rows by `task_id` in the step (a stable argsort and a gather of every
+        feature, after the rows are numbered, so dropout follows the rows) and
+        `Trainer.global_batch` checks each process's rows against its shares instead of
+        its slice of the blocks. Not needed elsewhere (the plain path's loss and the VJP
+        path's per-task sums are sums over rows), so not done there.
       diagnostics_period: balanced path: per-task gradient diagnostics on the steps where
         `(step + 1) % diagnostics_period == 0` (a `lax.cond`; 0: never).
       target_task: the task the diagnostics' cosines are taken against.
@@ -114,6 +126,7 @@ class StepOptions:
     sparse_tables: tuple[str, ...] | None = None
     task_capacity: tuple[int, ...] | None = None
     check_layout: bool = True
+    regroup_by_task: bool = False
     diagnostics_period: int = 1
     target_task: int = 0
     norm_metrics: bool = True
@@ -138,6 +151,8 @@ class StepOptions:
                 object.__setattr__(self, name, tuple(value))  # () (none) is not None (default)
                 continue
             object.__setattr__(self, name, tuple(value) if value else None)
+        if not isinstance(self.regroup_by_task, (bool, np.bool_)):
+            raise TypeError(f"regroup_by_task={self.regroup_by_task!r}; accepted: True or False")
         u = self.uncertainty_rows
         if isinstance(u, bool) or not isinstance(u, int) or u < 0:
             raise ValueError(f"uncertainty_rows={u!r}; accepted: an int >= 0 (0: off)")
@@ -191,6 +206,52 @@ def rows_per_task(batch: Mapping[str, jax.Array], num_tasks: int) -> jax.Array:
     return jax.ops.segment_sum(jnp.ones(task_id.shape, jnp.float32), task_id, num_tasks)
 
 
+def _task_blocks(options: StepOptions) -> bool:
+    """Whether the balanced path may use task blocks: microbatches cut across them, and
+    uncertainty-selected rows are in score order, so both take the one-hot VJP engine."""
+    return options.num_microbatches == 1 and not options.uncertainty_rows
+
+
+def group_rows_by_task(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """`batch` with its rows in task order, rows of one task in their given order (a stable
+    argsort of `task_id`, then a gather of every feature, `ROW_ID` included)."""
+    order = jnp.argsort(batch["task_id"], stable=True)
+    return {k: jnp.take(v, order, axis=0) for k, v in batch.items()}
+
+
+def check_process_grouped(task_id: Any, counts: Sequence[int], process_index: int = 0,
+                          process_count: int = 1) -> None:
+    """Host-side check of one process's rows of a process-grouped global batch
+    (`StepOptions.regroup_by_task`): its `task_id` (numpy, `[B / process_count]`) must be
+    grouped by task in task order, with `floor` or `ceil` of `counts[t] / process_count`
+    rows of task `t` (its share, `ktx.data.process_layout.process_shares`; `counts`
+    global). ValueError naming the first wrong row or task otherwise."""
+    counts = np.asarray([int(c) for c in counts], np.int64)
+    got = np.asarray(task_id)
+    n, p = got.shape[0], int(process_count)
+    if counts.sum() != n * p:
+        raise ValueError(f"task_counts={tuple(counts.tolist())} sum to {int(counts.sum())} but the "
+                         f"global batch has {n * p} rows ({n} on each of {p} processes)")
+    outside = np.flatnonzero((got < 0) | (got >= counts.size))
+    if outside.size:
+        raise ValueError(f"process {process_index}'s row {int(outside[0])} has task_id "
+                         f"{int(got[outside[0]])}; accepted: 0..{counts.size - 1}")
+    unsorted = np.flatnonzero(got[1:] < got[:-1])
+    if unsorted.size:
+        i = int(unsorted[0]) + 1
+        raise ValueError(
+            f"regroup_by_task: process {process_index}'s rows must be grouped by task in task "
+            f"order, but its row {i} has task_id {int(got[i])} after task {int(got[i - 1])}")
+    local = np.bincount(got, minlength=counts.size)
+    low, high = counts // p, -(-counts // p)
+    wrong = np.flatnonzero((local < low) | (local > high))
+    if wrong.size:
+        t = int(wrong[0])
+        raise ValueError(
+            f"regroup_by_task: process {process_index} of {p} has {int(local[t])} rows of task "
+            f"{t}; its share of the global {int(counts[t])} is {int(low[t])} or {int(high[t])}")
+
+
 def train_step(
     state: TrainState,
     batch: Mapping[str, jax.Array],
@@ -226,6 +287,8 @@ def train_step(
     # Rows are numbered before the batch is cut into task blocks or microbatches: dropout
     # is keyed per row (ktx.models.base.row_keys), so every path draws the same masks.
     batch = with_row_ids(batch)
+    if options.regroup_by_task and optimizer.balanced and _task_blocks(options):
+        batch = group_rows_by_task(batch)  # process-grouped -> the blocks' task order
     normalizer = model.normalizer(batch)
     present = rows_per_task(batch, num_tasks)
     diagnostics, logged = {}, jnp.zeros((), bool)
@@ -235,7 +298,7 @@ def train_step(
 
         # Microbatches cut across task blocks, and uncertainty-selected rows are in score
         # order, so both use the one-hot VJP engine.
-        blocked = options.num_microbatches == 1 and not options.uncertainty_rows
+        blocked = _task_blocks(options)
 
         def task_grads(mb):
             return optim.compute_task_gradients(
@@ -534,8 +597,10 @@ class Trainer:
         `batch_axis` of every feature: 1 for a `[K, B, ...]` block of K steps).
 
         With `task_counts` (balanced path), this process's `task_id` rows are checked
-        against the blocks the counts describe (numpy, before sharding); a batch that is
-        not grouped as promised raises here instead of silently mixing tasks' gradients.
+        against the blocks the counts describe (numpy, before sharding), or, with
+        `StepOptions.regroup_by_task`, against its shares of them
+        (`check_process_grouped`); a batch that is not grouped as promised raises here
+        instead of silently mixing tasks' gradients.
         A `[K, B, ...]` block takes one count tuple for all K batches or one per batch
         (`per_step_counts`).
         """
@@ -548,8 +613,10 @@ class Trainer:
             from ktx.optim import engine
 
             rows = task_id.reshape((-1, task_id.shape[-1]) if batch_axis else (1, -1))
+            check = check_process_grouped if self.options.regroup_by_task \
+                else engine.check_host_layout
             for one, counts in zip(rows, per_step_counts(task_counts, rows.shape[0])):
-                engine.check_host_layout(one, counts, jax.process_index(), jax.process_count())
+                check(one, counts, jax.process_index(), jax.process_count())
         data_size = self.mesh.shape[partitioning.DATA]
         for k, v in batch.items():
             rows = np.shape(v)[batch_axis] * jax.process_count()

@@ -11,7 +11,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from ktx.data import mixing, vocab
+from ktx.data import mixing, process_layout, vocab
 from ktx.data.pipeline import MultiTaskInput
 from tests.tasks._fixtures import root, write  # noqa: F401  (the `root` fixture)
 
@@ -50,8 +50,9 @@ _register()
 
 def _inputs(mixing_=None, process_index=0, shard=True, **kwargs):
     kwargs.setdefault("batch_size", 6)
+    kwargs.setdefault("process_count", 2)
     return MultiTaskInput(MIX, LENGTHS, seed=3, mixing=mixing_, process_index=process_index,
-                          process_count=2, shard_by_process=shard, **kwargs)
+                          shard_by_process=shard, **kwargs)
 
 
 def _text(row) -> str:
@@ -95,25 +96,117 @@ def test_shards_are_disjoint_and_cover_each_task_once_per_shard_epoch(mix):
         assert epochs[0] | epochs[1] == {f"{name.split('_')[-1][0]}{k}" for k in range(size)}
 
 
-def test_mixed_blocks_default_to_full_reads_and_forced_shards_warn(caplog):
-    """Mixed task-partitioned batches put each task on the processes its block overlaps:
-    None reads every task in full (the batches of today); True shards and warns naming
-    the shards never read."""
+def test_mixed_blocks_shard_by_default_without_warnings(caplog):
+    """Mixed task-partitioned batches shard by default (process-grouped); False reads every
+    task in full and gives the slice of the task-grouped global batch, as before."""
     with caplog.at_level(logging.WARNING):
         default = MultiTaskInput(MIX, LENGTHS, batch_size=6, seed=3, process_index=1,
                                  process_count=2)
-    assert not default.sharded and "every process reads every task in full" in caplog.text
+    assert default.sharded and default.process_grouped and not caplog.text
+    assert default.shard_task_sizes == (11, 4, 7)  # shard 1 of 23, 9, 14 rows
     unsharded = _inputs(None, 1, shard=False)
+    assert not unsharded.sharded and not unsharded.process_grouped
     for step in (0, 7):
-        for k, v in default.get_batch(step).items():
-            np.testing.assert_array_equal(v, unsharded.get_batch(step)[k])
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        forced = _inputs(None, 1)
-    assert forced.sharded and "never read" in caplog.text
-    sampled = MultiTaskInput(MIX, LENGTHS, batch_size=6, seed=3, process_index=1,
-                             process_count=2, layout="sampled")
-    assert sampled.sharded  # every process draws rows of every task
+        np.testing.assert_array_equal(default.get_batch(step)["task_id"],
+                                      np.repeat(np.arange(3), default.process_task_counts(step)))
+        counts = unsharded.task_counts(step)
+        np.testing.assert_array_equal(unsharded.get_batch(step)["task_id"],
+                                      np.repeat(np.arange(3), counts)[3:])
+    for kwargs in ({"layout": "sampled"}, {"mixing": TASK_PER_BATCH}):
+        other = MultiTaskInput(MIX, LENGTHS, batch_size=6, seed=3, process_index=1,
+                               process_count=2, **kwargs)
+        assert other.sharded and not other.process_grouped
+    one = MultiTaskInput(MIX, LENGTHS, batch_size=6, seed=3, process_index=0, process_count=1)
+    assert not one.sharded and not one.process_grouped
+
+
+def test_process_shares_split_every_count_evenly():
+    """Row sums B / P, column sums counts[t], each share floor or ceil of counts[t] / P,
+    a function of (counts, step) only; with constant counts every process gets counts[t]
+    rows of task t per P steps to within a few rows over many steps."""
+    rng = np.random.default_rng(0)
+    for p in (1, 2, 3, 4, 8):
+        for _ in range(100):
+            t = int(rng.integers(1, 7))
+            counts = rng.multinomial(p * int(rng.integers(1, 6)), np.ones(t) / t)
+            steps = rng.integers(0, 10**9, 5)
+            shares = process_layout.process_shares(np.tile(counts, (5, 1)), p, steps)
+            assert shares.shape == (5, p, t)
+            np.testing.assert_array_equal(shares.sum(axis=2), counts.sum() // p)
+            np.testing.assert_array_equal(shares.sum(axis=1), np.tile(counts, (5, 1)))
+            assert (shares >= counts // p).all() and (shares <= -(-counts // p)).all()
+            for k, step in enumerate(steps):  # one step, one process: the same shares
+                np.testing.assert_array_equal(process_layout.process_shares(counts, p, [step]),
+                                              shares[k])
+                np.testing.assert_array_equal(
+                    process_layout.process_shares(counts, p, [step], process_index=p - 1),
+                    shares[k, p - 1])
+    counts = np.array([5, 1, 3, 7])  # 16 rows, remainders 1 1 3 3 on 4 processes
+    steps = np.arange(100_000)
+    shares = process_layout.process_shares(np.tile(counts, (steps.size, 1)), 4, steps)
+    drift = np.cumsum(shares, axis=0) - np.outer(steps + 1, counts)[:, None, :] / 4
+    assert np.abs(drift).max() < 5, np.abs(drift).max()
+    offsets = process_layout.share_offsets(steps, 4)
+    assert np.abs(np.bincount(offsets, minlength=4) - 25_000).max() <= 10  # a quarter each
+    with pytest.raises(ValueError, match="sum to 7, not divisible by process_count=2"):
+        process_layout.process_shares([3, 4], 2, [0])
+    with pytest.raises(ValueError, match="process_index=2"):
+        process_layout.process_shares([3, 3], 2, [0], process_index=2)
+    with pytest.raises(ValueError, match="process_count=0"):
+        process_layout.share_offsets([0], 0)
+    with pytest.raises(ValueError, match="steps has a negative value -1"):
+        process_layout.share_offsets([-1], 2)
+
+
+@pytest.mark.parametrize("num_processes,batch_size", [(2, 6), (4, 8)])
+@pytest.mark.parametrize("mix", [None, ANNEALED, mixing.Mixing("temperature", carry=False)],
+                         ids=["carry", "annealed", "no_carry"])
+def test_mixed_batches_read_every_shard_once_per_shard_epoch(num_processes, batch_size, mix):
+    """Mixed task-partitioned batches, P processes: each process's rows hold its share of
+    every task (grouped by task); the union of a step's rows has counts[t] rows of task t;
+    every process reads every row of its shard of every task once per shard epoch, all
+    shards at about the same pace; a fresh object at step s gives the same batch."""
+    procs = [_inputs(mix, i, batch_size=batch_size, process_count=num_processes)
+             for i in range(num_processes)]
+    assert all(p.process_grouped for p in procs)
+    steps = 150
+    read = [collections.defaultdict(list) for _ in procs]
+    batches = [[] for _ in procs]
+    for step in range(steps):
+        counts = procs[0].task_counts(step)
+        union = np.zeros(3, np.int64)
+        for i, p in enumerate(procs):
+            batch = p.get_batch(step)
+            batches[i].append(batch)
+            local = p.process_task_counts(step)
+            assert sum(local) == batch_size // num_processes
+            np.testing.assert_array_equal(batch["task_id"], np.repeat(np.arange(3), local))
+            union += np.bincount(batch["task_id"], minlength=3)
+            for tid, row in zip(batch["task_id"], batch["encoder_input_tokens"]):
+                read[i][int(tid)].append(_text(row))
+        np.testing.assert_array_equal(union, counts)
+    for t, (name, size) in enumerate(SIZES.items()):
+        letter = name.split("_")[-1][0]
+        shards = []
+        for i, p in enumerate(procs):
+            n, rows = p.shard_task_sizes[t], read[i][t]
+            assert len(rows) == p.shard_cursors(steps)[t] >= 2 * n, (name, i, len(rows), n)
+            for start in range(0, len(rows) - n + 1, n):  # every shard epoch: each row once
+                assert sorted(rows[start:start + n]) == sorted(rows[:n]), (name, i, start)
+            orders = {tuple(rows[start:start + n]) for start in range(0, len(rows) - n + 1, n)}
+            assert len(orders) > 1, (name, i)  # a fresh permutation per shard epoch
+            shards.append(set(rows[:n]))
+        assert sum(len(x) for x in shards) == size  # disjoint shards that make up the task
+        assert set().union(*shards) == {f"{letter}{k}" for k in range(size)}
+        # Paces: every process has read 1 / P of the task's rows so far, to within 6 rows
+        # (of 75 to 150: an unshared block would leave a process 0 rows of a task).
+        total = procs[0].schedule.consumed_before(steps)[t]
+        assert max(abs(len(read[i][t]) - total / num_processes) for i in range(len(procs))) <= 6
+    for i in range(num_processes):  # resume: a fresh object at any step, in any order
+        fresh = _inputs(mix, i, batch_size=batch_size, process_count=num_processes)
+        for s in (149, 0, 77, 31, 148):
+            for k, v in fresh.get_batch(s).items():
+                np.testing.assert_array_equal(v, batches[i][s][k], err_msg=f"{i} {s} {k}")
 
 
 @pytest.mark.parametrize("mix", [None, ANNEALED, mixing.Mixing("temperature", carry=False),
@@ -145,12 +238,11 @@ def test_resume_at_any_step_gives_the_batch_of_an_uninterrupted_run(mix):
         assert (fresh.shard_epochs_seen(40) > 1).any()
 
 
-@pytest.mark.parametrize("mix", [None, ANNEALED, TASK_PER_BATCH], ids=["carry", "annealed", "per_batch"])
-def test_local_rows_follow_the_global_layout(mix):
-    """(c) Each process's rows are its slice of the global task blocks: local sizes, its
-    per-task counts and its task ids agree with `task_counts`, and the per-process
-    counts add up to the global ones."""
-    procs = [_inputs(mix, i) for i in range(2)]
+def test_one_task_per_batch_rows_are_the_process_slice():
+    """(c) One task per batch: each process's rows are its slice of the global batch,
+    `B / P` rows of the batch's task."""
+    procs = [_inputs(TASK_PER_BATCH, i) for i in range(2)]
+    assert not procs[0].process_grouped
     for step in range(0, 30, 3):
         counts = procs[0].task_counts(step)
         assert counts == procs[1].task_counts(step) and sum(counts) == 6
@@ -161,7 +253,6 @@ def test_local_rows_follow_the_global_layout(mix):
             batch = p.get_batch(step)
             assert batch["task_id"].shape == (p.local_batch_size,) == (3,)
             np.testing.assert_array_equal(batch["task_id"], expected[3 * i:3 * i + 3])
-            assert tuple(np.bincount(batch["task_id"], minlength=3)) == local[i]
 
 
 def test_sampled_layout_draws_from_the_process_shard():
