@@ -3,10 +3,10 @@ the heartbeat timeout (`--heartbeat_timeout`), never hangs; relaunched, the run 
 from its last checkpoint and ends with the losses of a run that was never interrupted,
 one metrics record per step.
 
-The runs shard their input (`MultiTaskInput(shard_by_process=True)`): each process reads
-only its shard of every task, at a position of its own (its rows of synthetic_quickstart's
-task-partitioned batches vary from step to step), which the resumed run recomputes from
-the checkpoint's step."""
+The runs shard their input (the default, `MultiTaskInput(shard_by_process=None)` with two
+processes): each process reads only its shard of every task, its share of every task of
+synthetic_quickstart's mixed task-partitioned batches (process-grouped), at a position of
+its own, which the resumed run recomputes from the checkpoint's step."""
 
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ def _launch(model_gin: pathlib.Path, model_dir: pathlib.Path, logs: pathlib.Path
         f"--gin.TRAIN_STEPS={STEPS}", "--gin.BATCH_SIZE=16", "--gin.NUM_PARTITIONS=2",
         "--gin.train_script.train.log_period=1",
         f"--gin.train_script.train.checkpoint_period={CHECKPOINT_PERIOD}",
-        "--gin.pipeline.MultiTaskInput.shard_by_process=True",
     ]
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
@@ -78,9 +77,9 @@ def uninterrupted(tmp_path_factory):
     model_gin = tmp / "model.gin"
     model_gin.write_text(tiny_t5_gin())
     _wait_all(_launch(model_gin, tmp / "run", tmp / "logs"), tmp / "logs")
-    for i in range(2):  # each process read its own shards (only then is this logged)
+    for i in range(2):  # each process read its share of every task from its own shards
         log = (tmp / "logs" / f"process_{i}.log").read_text()
-        assert "shard_by_process=True with task-partitioned mixed batches" in log, log[-3000:]
+        assert f"Input: process {i} of 2 supplies its share of every task" in log, log[-3000:]
     return model_gin, tmp / "run"
 
 

@@ -284,6 +284,10 @@ def train(
         # A sharded MultiTaskInput's process-grouped batches: the step regroups them by task.
         regroup_by_task=bool(getattr(train_input, "process_grouped", False)),
     )
+    if trainer.options.regroup_by_task:
+        print(f"Input: process {jax.process_index()} of {jax.process_count()} supplies its share "
+              "of every task from its own shards (process-grouped batches; the balanced step "
+              "regroups them by task)", flush=True)
     first_batch = train_input.get_batch(0)
     candidates = _host_rows(first_batch) * jax.process_count()
     if mt_uncertainty_rows and mt_uncertainty_rows > candidates:
