@@ -56,8 +56,9 @@ at step `s`, from its own shard, in a per-(seed, task, shard epoch, process) per
 of the shard, read as a stream from the position `shard_cursors(s)[t]` = the sum of those
 rows over the steps before `s`: every row of a shard is read once per shard epoch (epochs
 are per shard: `shard_epochs_seen`; `epochs_seen` stays global). `shard_cursors` is
-vectorised over the steps with numpy (no batch replayed: 0.4 s at step 1e6 for
-synthetic_quickstart's 4 tasks, annealed or not, on one CPU core) and advanced by one
+vectorised over the steps with numpy (no batch replayed: 0.25-0.34 s at step 1e6 for
+synthetic_quickstart's 4 tasks on 2 processes, process-grouped, annealed or not, on one
+CPU core) and advanced by one
 step's rows while iterating, so a resumed process recomputes its position from the step
 alone. Which rows a process supplies:
 

@@ -86,9 +86,12 @@ def test_every_example_once_per_epoch_and_resume(base):
 
 
 def test_process_slices_assemble_the_global_batch(base):
+    """Unsharded (`shard_by_process=False`; the default shards), each process's rows are its
+    slice of the one-process batch."""
     for step in (0, 5):
         parts = [
-            MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=4, seed=7, process_index=i, process_count=2).get_batch(step)
+            MultiTaskInput("ktx_test_mix", LENGTHS, batch_size=4, seed=7, process_index=i, process_count=2,
+                           shard_by_process=False).get_batch(step)
             for i in range(2)
         ]
         for k, v in base.get_batch(step).items():
