@@ -98,6 +98,7 @@ def test_regrouped_per_task_gradients_equal_the_task_grouped_ones(sparse):
             tg.stacked, is_leaf=lambda x: isinstance(x, optim.SparseRows))
 
     want_losses, _, want = jax.jit(lambda: grads(grouped, "blocks", False))()
+    assert np.isfinite(want_losses).all()
     for method, batch in (("blocks", process_grouped), ("vjp", process_grouped)):
         losses, _, got = jax.jit(lambda: grads(batch, method, method == "blocks"))()
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-7, err_msg=method)
@@ -136,6 +137,7 @@ def test_train_step_regroups_a_process_grouped_batch():
     got, p_got = _step(process_grouped, True)
     want, p_want = _step(grouped, False)
     for a, b in zip(got, want):
+        assert np.isfinite(b["task_losses"]).all() and b["loss"] > 0
         np.testing.assert_allclose(a["task_losses"], b["task_losses"], rtol=1e-5, atol=1e-7)
         np.testing.assert_array_equal(a["examples"], COUNTS)
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
