@@ -419,7 +419,10 @@ def test_balanced_step_compiles_per_block_size_not_per_count_tuple():
 
     inp = _VaryingInput()
     plain = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1))
-    balanced = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi())
+    # One device: blocks are not rounded up to the data axis (below).
+    one = partitioning.create_mesh(1, devices=jax.devices()[:1])
+    balanced = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi(),
+                                   mesh=one)
     sp = plain.init_state(jax.random.key(0), inp.get_batch(0))
     sb = balanced.init_state(jax.random.key(0), inp.get_batch(0))
     for step in range(12):
@@ -432,6 +435,23 @@ def test_balanced_step_compiles_per_block_size_not_per_count_tuple():
     assert sorted(c for c, _ in balanced._compiled) == [(5, 3), (5, 4), (6, 4), (6, 5)]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  jax.device_get(sb.params), jax.device_get(sp.params))
+
+
+def test_task_blocks_are_rounded_up_to_the_data_axis():
+    from ktx import optim
+
+    def capacity(data, counts_seq):
+        mesh = partitioning.create_mesh(8 // data)  # data x (8 / data) over the 8 devices
+        tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi(),
+                                 mesh=mesh)
+        for counts in counts_seq:
+            got = tr._capacity_for(counts)
+        return got
+
+    assert capacity(4, [(6, 5, 5, 0), (5, 4, 5, 2)]) == (8, 8, 8, 4)
+    assert capacity(2, [(6, 5, 5, 0)]) == (6, 6, 6, 0)
+    assert capacity(8, [(14, 2)]) == (16, 8)  # at most the batch
+    assert capacity(8, [(15, 1)]) == (16, 8)
 
 
 def test_diagnostics_only_on_log_steps_against_the_target_task():

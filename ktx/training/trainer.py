@@ -633,12 +633,20 @@ class Trainer:
 
     def _capacity_for(self, task_counts: Any) -> tuple[int, ...] | None:
         """Static per-task block sizes: the most rows each task has had so far (one count
-        tuple, or one per batch of a `[K, B, ...]` block)."""
+        tuple, or one per batch of a `[K, B, ...]` block), rounded up to a multiple of the
+        mesh's `data` axis."""
         if not self.optimizer.balanced or task_counts is None \
                 or self.options.num_microbatches != 1 or self.options.uncertainty_rows:
             return None
         steps = per_step_counts(task_counts)
         counts = tuple(max(int(c[t]) for c in steps) for t in range(len(steps[0])))
+        # Each block is rounded up to a multiple of the `data` axis (at most the batch):
+        # a block that does not divide evenly over it gave NaN losses under XLA's SPMD
+        # partitioner with a 2-way `model` axis (ktx train, 4 x 2 mesh, blocks of 5 and 6
+        # rows); the extra rows are neighbours' rows, which the engine computes and drops.
+        data = int(self.mesh.shape.get("data", 1))
+        rows = sum(int(c) for c in steps[0])
+        counts = tuple(min(-(-c // data) * data, rows) for c in counts)
         if self._capacity is None or len(self._capacity) != len(counts):
             self._capacity = counts
         else:
