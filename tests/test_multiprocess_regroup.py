@@ -37,8 +37,8 @@ def _run(tmp: pathlib.Path, balanced: bool) -> list[float]:
         "--gin.NUM_TASKS=4", f"--gin.MODEL_DIR='{tmp / 'run'}'",
         "--gin.MIXTURE_OR_TASK_NAME='synthetic_quickstart'",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-        # Equal rates: every task in every batch (4 rows, 2 from each process).
-        "--gin.pipeline.MultiTaskInput.mixing='equal'",
+        # The default (proportional) mixing: unequal blocks, a task absent from some
+        # batches, each process's shares of a task differing by a row from step to step.
         f"--gin.TRAIN_STEPS={STEPS}", "--gin.BATCH_SIZE=16", "--gin.NUM_PARTITIONS=2",
         "--gin.train_script.train.log_period=1",
     ]
