@@ -7,24 +7,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 import subprocess
-import sys
 
 import pytest
 
-from ktx.training.summaries import read_metrics
+from tests.test_multiprocess_faults import KTX, REPO, _free_port, _train_rows, _wait_all
 from tests.tiny_t5_gin import tiny_t5_gin
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-KTX = str(pathlib.Path(sys.executable).parent / "ktx")
 STEPS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _run(tmp: pathlib.Path, balanced: bool) -> list[float]:
@@ -49,18 +39,10 @@ def _run(tmp: pathlib.Path, balanced: bool) -> list[float]:
         [KTX, "train", *flags, "--multihost", f"--coordinator_address=localhost:{port}",
          "--num_processes=2", f"--process_id={i}"],
         cwd=REPO, env=env, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT) for i in range(2)]
-    for i, p in enumerate(procs):
-        try:
-            rc = p.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"process {i} did not finish in 900 s")
-        if rc:
-            pytest.fail(f"process {i} failed ({rc}):\n{logs[i].read_text()[-3000:]}")
+    _wait_all(procs, tmp)
+    for i in range(2):
         assert f"Input: process {i} of 2 supplies its share of every task" in logs[i].read_text()
-    rows = [r for r in read_metrics(tmp / "run") if r["split"] == "train" and r["task"] == "all"]
-    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"])]
+    return [r["loss"] for r in sorted(_train_rows(tmp / "run"), key=lambda r: r["step"])]
 
 
 def test_balanced_step_regroups_process_grouped_batches(tmp_path):

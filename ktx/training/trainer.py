@@ -473,8 +473,7 @@ class Trainer:
         options = options if options is not None else StepOptions(**option_fields)
         if options.sparse_tables is None:
             default = tuple(getattr(model, "sparse_table_patterns", ()) or ())
-            usable = (optimizer.balanced and options.num_microbatches == 1
-                      and not options.uncertainty_rows)
+            usable = optimizer.balanced and _task_blocks(options)
             options = dataclasses.replace(options, sparse_tables=default if usable else ())
         if not 0 <= int(options.target_task) < model.num_tasks:
             raise ValueError(
@@ -635,8 +634,7 @@ class Trainer:
         """Static per-task block sizes: the most rows each task has had so far (one count
         tuple, or one per batch of a `[K, B, ...]` block), rounded up to a multiple of the
         mesh's `data` axis."""
-        if not self.optimizer.balanced or task_counts is None \
-                or self.options.num_microbatches != 1 or self.options.uncertainty_rows:
+        if not self.optimizer.balanced or task_counts is None or not _task_blocks(self.options):
             return None
         steps = per_step_counts(task_counts)
         counts = tuple(max(int(c[t]) for c in steps) for t in range(len(steps[0])))
@@ -644,7 +642,7 @@ class Trainer:
         # a block that does not divide evenly over it gave NaN losses under XLA's SPMD
         # partitioner with a 2-way `model` axis (ktx train, 4 x 2 mesh, blocks of 5 and 6
         # rows); the extra rows are neighbours' rows, which the engine computes and drops.
-        data = int(self.mesh.shape.get("data", 1))
+        data = int(self.mesh.shape[partitioning.DATA])
         rows = sum(int(c) for c in steps[0])
         counts = tuple(min(-(-c // data) * data, rows) for c in counts)
         if self._capacity is None or len(self._capacity) != len(counts):
