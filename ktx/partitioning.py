@@ -50,6 +50,7 @@ __all__ = [
     "standard_logical_axis_rules",
     "logical_to_shardings",
     "abstract_shardings",
+    "check_divisible",
     "data_sharding",
     "replicated_sharding",
     "host_local_to_global",
@@ -195,6 +196,31 @@ def abstract_shardings(abstract_tree: Any, mesh: Mesh, rules: AxisRules) -> Any:
     Leaves without logical annotations (optimizer counters, step) are replicated.
     """
     return logical_to_shardings(nn.get_partition_spec(abstract_tree), mesh, rules)
+
+
+def check_divisible(boxed: Any, shardings: Any) -> None:
+    """Raises one ValueError naming the first parameter of `boxed` (an `eval_shape` tree
+    of `nn.Partitioned` leaves) whose sharded dimension the mesh axes it maps to do not
+    divide, with its logical axis and what to change; `shardings` are `boxed`'s."""
+    from ktx import treepath
+
+    flat = jax.tree_util.tree_flatten_with_path(
+        boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+    for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings)):
+        value = leaf.value if isinstance(leaf, nn.Partitioned) else leaf
+        names = getattr(leaf, "names", None) or (None,) * value.ndim
+        mesh_shape = dict(sharding.mesh.shape)
+        for dim, (size, axes, logical) in enumerate(zip(value.shape, sharding.spec, names)):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            ways = int(np.prod([mesh_shape[a] for a in axes])) if axes else 1
+            if size % ways:
+                raise ValueError(
+                    f"parameter {treepath.name(path)} {tuple(value.shape)}: its dimension {dim} "
+                    f"({size}, logical axis {logical!r}) is sharded over the mesh axes "
+                    f"{'x'.join(axes)} ({ways} ways), which do not divide it; accepted: a size "
+                    f"that is a multiple of {ways} (pad it in the model's configuration, e.g. "
+                    f"RecsysModel.table_rows_multiple, T5's vocabulary), another NUM_PARTITIONS, "
+                    f"or a rule mapping {logical!r} to None (additional_rules)")
 
 
 def data_sharding(mesh: Mesh) -> NamedSharding:

@@ -122,16 +122,27 @@ def _precompile_kwargs(topology: str) -> dict:
     if "model" not in bound:
         raise GinConfigError("ktx precompile compiles the train step of a run: include runs/train.gin "
                              "and a model file (gin/models/*.gin)")
+    unbound = lambda v: v is None or repr(v) == "%gin.REQUIRED"  # noqa: E731
     lengths = _query_macro("TASK_FEATURE_LENGTHS")
     batch_size = _query_macro("BATCH_SIZE")
-    for name, value in (("TASK_FEATURE_LENGTHS", lengths), ("BATCH_SIZE", batch_size)):
-        if value is None or repr(value) == "%gin.REQUIRED":
-            raise GinConfigError(f"ktx precompile needs --gin.{name}=...")
+    reader = bound.get("train_input")
+    if unbound(batch_size) and isinstance(reader, gin.config.ConfigurableReference):
+        # A run whose input names its own batch size (runs/recsys_train.gin's reader).
+        batch_size = _resolve_reference(
+            gin.get_bindings(reader.selector, resolve_references=False).get("batch_size"))
+    if unbound(batch_size):
+        raise GinConfigError("ktx precompile needs --gin.BATCH_SIZE=...")
     kwargs = {k: _resolve_reference(bound[k]) for k in (
         "model", "optimizer", "balancer", "num_partitions", "num_microbatches", "grad_method",
         "shared", "additional_rules", "parameter_partitioning_dims", "target_task") if k in bound}
-    return dict(topology=topology, batch_size=int(batch_size), task_feature_lengths=dict(lengths),
-                **kwargs)
+    if unbound(lengths):
+        try:  # a model whose features have no length (the recommendation model) needs none
+            kwargs["model"].input_spec(int(batch_size), None)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise GinConfigError(f"ktx precompile needs --gin.TASK_FEATURE_LENGTHS=... "
+                                 f"({type(kwargs['model']).__name__}: {e})") from None
+    return dict(topology=topology, batch_size=int(batch_size),
+                task_feature_lengths=None if unbound(lengths) else dict(lengths), **kwargs)
 
 
 def _precompile_setup(gin_files, bindings, search_paths, topology: str) -> dict:

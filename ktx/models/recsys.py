@@ -71,18 +71,20 @@ class SharedBottomNet(nn.Module):
     tower_dims: Sequence[int] = (64, 32)
     dropout_rate: float = 0.5
     embedding_init_stddev: float = 0.01
+    table_rows_multiple: int = 1
     dtype: Any = jnp.float32
 
     def setup(self):
         init = nn.initializers.normal(stddev=self.embedding_init_stddev)
+        rows = lambda n: -(-n // self.table_rows_multiple) * self.table_rows_multiple  # noqa: E731
         self.user_embedding = nn.Embed(
-            self.num_users,
+            rows(self.num_users),
             self.embed_dim,
             embedding_init=nn.with_logical_partitioning(init, (P.USERS, P.EMBED)),
             name="user_embedding",
         )
         self.item_embedding = nn.Embed(
-            self.num_items,
+            rows(self.num_items),
             self.embed_dim,
             embedding_init=nn.with_logical_partitioning(init, (P.ITEMS, P.EMBED)),
             name="item_embedding",
@@ -179,6 +181,10 @@ class RecsysModel(BaseModel):
         (64, 32), 0.5).
       target_task: the task whose tower full ranking scores.
       embedding_init_stddev: standard deviation of the normal init of both tables.
+      table_rows_multiple: both tables' rows are padded up to a multiple of this (1: none).
+        The tables' `users` / `items` axes shard over the mesh's `model` axis, whose size
+        must divide them (e.g. 128, as vocabularies are padded, for any TPU split); padded
+        rows are never looked up nor ranked, and change no loss or metric.
     """
 
     num_users: int
@@ -191,9 +197,10 @@ class RecsysModel(BaseModel):
     target_task: int = 0
     loss_normalization: str = "per_task"
     embedding_init_stddev: float = 0.01
+    table_rows_multiple: int = 1
 
     def __post_init__(self):
-        for name in ("num_users", "num_items", "num_tasks", "embed_dim"):
+        for name in ("num_users", "num_items", "num_tasks", "embed_dim", "table_rows_multiple"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"RecsysModel.{name}={v!r}: expected a positive int")
@@ -223,6 +230,7 @@ class RecsysModel(BaseModel):
             tower_dims=self.tower_dims,
             dropout_rate=float(self.dropout_rate),
             embedding_init_stddev=float(self.embedding_init_stddev),
+            table_rows_multiple=self.table_rows_multiple,
         )
 
     shared_param_patterns = SHARED_PARAM_PATTERNS
@@ -296,7 +304,7 @@ class RecsysModel(BaseModel):
 
     def rank_item_part(self, params: Any) -> dict[str, jax.Array]:
         """Per-item factors for full ranking, computed once: dict of `[N, ...]` arrays."""
-        i = params["item_embedding"]["embedding"]
+        i = params["item_embedding"]["embedding"][: self.num_items]  # without padded rows
         w0 = params["bottom"]["layer_0"]["kernel"]
         return {"emb": i, "bottom0": i @ w0[self.embed_dim:]}  # [N, d], [N, m0]
 

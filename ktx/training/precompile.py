@@ -130,7 +130,9 @@ class PrecompileReport:
         if self.flops_per_step is not None:
             line = f"  FLOPs/step  {self.flops_per_step:.4g} per device"
             if self.predicted_step_seconds is not None:
-                line += f"; at peak {self.predicted_step_seconds * 1e3:.2f} ms/step"
+                t = self.predicted_step_seconds
+                line += (f"; at peak {t * 1e3:.2f} ms/step" if t >= 1e-4
+                         else f"; at peak {t * 1e6:.2f} us/step")
             lines.append(line)
         if self.fits is False:
             lines.append(f"  DOES NOT FIT: {g(self.total_bytes - self.hbm_bytes).strip()} over the HBM")
@@ -210,7 +212,9 @@ def precompile(
     """Lowers and compiles one train step for `topology`; see the module docstring.
 
     The batch is `model.input_spec(batch_size, task_feature_lengths)`; a balanced step is
-    compiled with equal task blocks (the block sizes a mixture's counts would give).
+    compiled for equal task counts (within one row), with the task blocks `ktx train`'s
+    step uses for them (`Trainer.lower_train_step(task_counts=...)`: rounded up to the
+    `data` axis).
     `on_compile(mesh_shape)` is called once the step is lowered, just before XLA compiles it.
     """
     devices = topology_devices(topology)
@@ -225,12 +229,12 @@ def precompile(
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in spec.items()}
     rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
                                sharding=partitioning.replicated_sharding(mesh))
-    capacity = None
+    counts = None
     if balancer is not None and num_microbatches == 1:
         t = model.num_tasks
-        capacity = tuple(batch_size // t + (1 if i < batch_size % t else 0) for i in range(t))
+        counts = tuple(batch_size // t + (1 if i < batch_size % t else 0) for i in range(t))
     start = time.perf_counter()
-    lowered = trainer.lower_train_step(abstract_state, batch, rng, task_capacity=capacity)
+    lowered = trainer.lower_train_step(abstract_state, batch, rng, task_counts=counts)
     if on_compile is not None:
         on_compile(dict(mesh.shape))
     try:

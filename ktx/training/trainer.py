@@ -561,6 +561,7 @@ class Trainer:
             param_shardings = partitioning.logical_to_shardings(
                 nn.get_partition_spec(boxed), self.mesh, self.rules
             )
+            partitioning.check_divisible(boxed, param_shardings)
             abstract = jax.eval_shape(self._init_fn(batch), rng)
         opt_sh = opt_state_shardings(abstract.opt_state, abstract.params, param_shardings, self.mesh)
         # The model's state follows the parameters by the same rule (a teacher copy of a
@@ -713,13 +714,21 @@ class Trainer:
 
     def lower_train_step(
         self, state: Any, batch: Mapping[str, Any], rng: Any,
-        task_capacity: Sequence[int] | None = None,
+        task_capacity: Sequence[int] | None = None, task_counts: Sequence[int] | None = None,
     ) -> Any:
         """The train step lowered for `state`, `batch` and `rng` (arrays or
         `ShapeDtypeStruct`s with shardings, e.g. for another platform's devices): call
-        `.compile()` on it for XLA's memory and cost analyses (`ktx.training.precompile`)."""
+        `.compile()` on it for XLA's memory and cost analyses (`ktx.training.precompile`).
+
+        `task_counts` (a balanced step): the batch's rows per task, as `train_step` takes
+        them; its task blocks are then the ones `train_step` compiles for them (rounded up
+        to the `data` axis). `task_capacity` gives the block sizes as they are instead."""
         if self.state_shardings is None:
             raise ValueError("Trainer.lower_train_step before create_abstract_state")
+        if task_counts is not None:
+            if task_capacity is not None:
+                raise ValueError("lower_train_step: give task_counts or task_capacity, not both")
+            task_capacity = self._capacity_for(tuple(int(c) for c in task_counts))
         capacity = None if task_capacity is None else tuple(int(c) for c in task_capacity)
         with self._context():
             return self._compiled_step(capacity, False).lower(state, batch, rng)
