@@ -184,28 +184,24 @@ def _own_entries(per_block: Any, present: Sequence[int], num_tasks: int) -> Any:
 
 
 def _slice_block(batch: Mapping, start: Any, size: int) -> dict:
-    return {k: jax.lax.dynamic_slice_in_dim(v, start, size) for k, v in batch.items()}
-
-
-def _rows_over_data(blocks: Mapping, lead: int) -> Mapping:
-    """Blocks cut from the batch with their row axis (after `lead` leading task axes)
-    split over the mesh's `data` axis, as the batch is. XLA cannot tell how the rows of a
-    dynamic slice at a traced start lie, and left alone it may compute every block on
-    every device: a model without its own activation constraints (the recommendation
-    model) then repeats the whole batch per data shard. A no-op without a mesh, or when
-    the data axis does not divide the block (the Trainer rounds blocks up so that it does)."""
+    """Rows `[start, start + size)` of every feature, split over the mesh's `data` axis
+    as the batch is. XLA cannot tell how the rows of a dynamic slice at a traced start
+    lie, and left alone it may compute every block on every device: a model without its
+    own activation constraints (the recommendation model) then repeats the whole batch
+    per data shard. Under `vmap` (equal blocks) the task axis stays unconstrained. No
+    constraint without a mesh, or when the data axis does not divide `size` (the Trainer
+    rounds blocks up so that it does)."""
     mesh = jax.sharding.get_abstract_mesh()
-    ways = dict(mesh.shape).get(DATA, 1) if not mesh.empty else 1
-    if ways == 1:
-        return blocks
+    ways = 1 if mesh.empty else dict(mesh.shape).get(DATA, 1)
 
-    def one(x):
-        if x.ndim <= lead or x.shape[lead] % ways:
+    def one(v):
+        x = jax.lax.dynamic_slice_in_dim(v, start, size)
+        if ways == 1 or size % ways:
             return x
-        spec = (None,) * lead + (DATA,) + (None,) * (x.ndim - lead - 1)
-        return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
+        spec = jax.sharding.PartitionSpec(DATA, *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, spec)
 
-    return {k: one(v) for k, v in blocks.items()}
+    return {k: one(v) for k, v in batch.items()}
 
 
 def _block_starts(sizes: tuple[int, ...], starts: Any, n: int) -> Any:
@@ -233,7 +229,7 @@ def _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, sizes, starts):
     if len({sizes[t] for t in present}) == 1:
         c = sizes[present[0]]
         ts = jnp.asarray(present)
-        blocks = _rows_over_data(jax.vmap(lambda s: _slice_block(batch, s, c))(starts[ts]), 1)
+        blocks = jax.vmap(lambda s: _slice_block(batch, s, c))(starts[ts])
         sums, aux, grads = jax.vmap(task_value_and_grad)(ts, blocks)
         if len(present) < num_tasks:
             grads = jax.tree.map(lambda g: jnp.zeros((num_tasks,) + g.shape[1:], g.dtype).at[ts].set(g), grads)
@@ -241,8 +237,7 @@ def _blocks(loss_sums_fn, normalizer, params, batch, num_tasks, sizes, starts):
 
     per_task = {}
     for t in present:
-        per_task[t] = task_value_and_grad(
-            t, _rows_over_data(_slice_block(batch, starts[t], sizes[t]), 0))
+        per_task[t] = task_value_and_grad(t, _slice_block(batch, starts[t], sizes[t]))
     zeros = jax.tree.map(jnp.zeros_like, params)
     sums = _own_entries(jnp.stack([per_task[t][0] for t in present]), present, num_tasks)
     aux = _own_entries(jax.tree.map(lambda *a: jnp.stack(a), *[per_task[t][1] for t in present]),
@@ -293,7 +288,7 @@ def _sparse_blocks(sl, loss_sums_fn, normalizer, params, batch, num_tasks, sizes
     sl.call_names_for(params, jax.tree.map(lambda x: x[: max(sizes)], dict(batch)))
     if len({sizes[t] for t in present}) == 1 and len(present) == num_tasks:
         c = sizes[0]
-        blocks = _rows_over_data(jax.vmap(lambda s0: _slice_block(batch, s0, c))(starts), 1)
+        blocks = jax.vmap(lambda s0: _slice_block(batch, s0, c))(starts)
         deltas = zeros_for(jax.tree.map(lambda x: x[0], blocks))
         sums, aux, idx, gd, gz = jax.vmap(task_value_and_grad, in_axes=(0, 0, None))(
             jnp.arange(num_tasks), blocks, deltas)
@@ -302,7 +297,7 @@ def _sparse_blocks(sl, loss_sums_fn, normalizer, params, batch, num_tasks, sizes
                 grads)
     results = {}
     for t in present:
-        block = _rows_over_data(_slice_block(batch, starts[t], sizes[t]), 0)
+        block = _slice_block(batch, starts[t], sizes[t])
         results[t] = task_value_and_grad(t, block, zeros_for(block))
     sums = _own_entries(jnp.stack([results[t][0] for t in present]), present, num_tasks)
     aux = _own_entries(jax.tree.map(lambda *a: jnp.stack(a), *[results[t][1] for t in present]),
