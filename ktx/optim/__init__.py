@@ -10,11 +10,19 @@ MetaBalance with its baselines as optax transformations (see docs/balancing.md).
                                    task_present=counts > 0)
 
 Balancers take a `TaskGradients` only; wrap a tree of `[T, *param_shape]` arrays with
-`TaskGradients.from_stacked(tree)`.
+`TaskGradients.from_stacked(tree)`. Those whose weights depend on the losses only
+(`LossWeighting`: Single-Loss, Vanilla-Multi, fixed weights, Uncertainty, DWA) also say
+their weights before any gradient (`tx.weights(state, task_losses, task_present)`), and
+`loss_weighted_gradient` then builds the combined gradient at a plain step's cost.
 """
 
 from ktx.optim.diagnostics import diagnostics, find_metabalance_state
-from ktx.optim.engine import METHODS, compute_task_gradients, split_shared
+from ktx.optim.engine import (
+    METHODS,
+    compute_task_gradients,
+    loss_weighted_gradient,
+    split_shared,
+)
 from ktx.optim.loss_weighting import (
     DWAState,
     GradNormState,
@@ -37,7 +45,13 @@ from ktx.optim.selection import (
 )
 from ktx.optim.surgery import PCGradState, grad_similarity, pcgrad, pcgrad_weights
 from ktx.optim.task_gradients import SparseRows, TaskGradients, as_task_gradients
-from ktx.optim.weighting import fixed_weights, single_loss, vanilla_multi
+from ktx.optim.weighting import (
+    LossWeighting,
+    fixed_weights,
+    loss_weighting,
+    single_loss,
+    vanilla_multi,
+)
 
 __all__ = [
     "METHODS",
@@ -45,6 +59,9 @@ __all__ = [
     "NORMALIZATIONS",
     "DEFAULT_UNSHARED_PATTERNS",
     "compute_task_gradients",
+    "loss_weighted_gradient",
+    "LossWeighting",
+    "loss_weighting",
     "split_shared",
     "TaskGradients",
     "SparseRows",

@@ -18,6 +18,10 @@ parameters, stacked on a leading task axis, from inside a jitted train step:
   over the one-hot task cotangents `e_t / normalizer_t`.
 * `method="auto"`: blocks when `task_counts` is given, vjp otherwise.
 
+`loss_weighted_gradient` is the shortcut for balancers whose weights depend on the losses
+only (`ktx.optim.LossWeighting`): the weighted sum of the task gradients from one forward
+and one backward pass, as a plain step costs, without the task gradients themselves.
+
 Only shared parameters (see `ktx.optim.selection`) keep a task axis; the task
 gradients of the others are summed.
 """
@@ -36,7 +40,13 @@ from ktx.optim.sparse import SparseLookups
 from ktx.optim.task_gradients import SparseRows, TaskGradients, leaf_combine, task_sum
 from ktx.partitioning import DATA
 
-__all__ = ["METHODS", "check_host_layout", "compute_task_gradients", "split_shared"]
+__all__ = [
+    "METHODS",
+    "check_host_layout",
+    "compute_task_gradients",
+    "loss_weighted_gradient",
+    "split_shared",
+]
 
 METHODS = ("auto", "blocks", "vjp")
 
@@ -406,3 +416,51 @@ def compute_task_gradients(
     else:
         sums, aux, grads = _vjp(loss_sums_fn, normalizer, params, batch, num_tasks)
     return sums / normalizer, aux, split_shared(grads, params, shared)
+
+
+def loss_weighted_gradient(
+    loss_sums_fn: LossSumsFn,
+    normalizer: jax.Array,
+    params: Any,
+    batch: Mapping[str, jax.Array],
+    weights_fn: Callable[[jax.Array], tuple[jax.Array, Any]],
+    *,
+    num_tasks: int,
+    shared: Sequence[str] | str | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], Any, Any]:
+    """The update of a balancer whose weights depend on the losses only (a
+    `ktx.optim.LossWeighting`), without per-task gradients (call inside `jax.jit`).
+
+    One forward pass gives the `[T]` losses, `weights_fn(losses) -> (w, out)` the weights
+    (e.g. `lambda l: tx.weights(state, l, present)`), and two vector-Jacobian products of
+    the same forward pass the gradient: cotangent `w / normalizer` for the shared
+    parameters, `1 / normalizer` for the unshared ones (skipped when every parameter is
+    shared; XLA drops each product's unused half). Any batch layout works.
+
+    Returns:
+      `(task_losses [T], aux, grad, out)` with `grad` params-shaped and equal to
+      `combine_with_weights(task_grads, w)` on what `compute_task_gradients` returns for
+      the same arguments and `shared`.
+    """
+    if not isinstance(num_tasks, int) or num_tasks < 1:
+        raise ValueError(f"num_tasks={num_tasks!r}: expected a positive int")
+    normalizer = jax.lax.stop_gradient(jnp.asarray(normalizer))
+    if normalizer.shape != (num_tasks,):
+        raise ValueError(f"normalizer has shape {normalizer.shape}; expected ({num_tasks},)")
+    sums, vjp_fn, aux = jax.vjp(lambda p: loss_sums_fn(p, batch), params, has_aux=True)
+    if sums.shape != (num_tasks,):
+        raise ValueError(
+            f"loss_sums_fn returned sums of shape {sums.shape}; expected ({num_tasks},)")
+    inverse = 1.0 / normalizer.astype(sums.dtype)
+    losses = sums * inverse
+    w, out = weights_fn(jax.lax.stop_gradient(losses))
+    w = jax.lax.stop_gradient(jnp.asarray(w, sums.dtype))
+    if w.shape != (num_tasks,):
+        raise ValueError(f"weights_fn returned weights of shape {w.shape}; expected ({num_tasks},)")
+    (weighted,) = vjp_fn(w * inverse)
+    mask = shared_mask(params, shared)
+    if all(jax.tree.leaves(mask)):
+        return losses, aux, weighted, out
+    (summed,) = vjp_fn(inverse)
+    grad = jax.tree.map(lambda m, a, b: a if m else b, mask, weighted, summed)
+    return losses, aux, grad, out

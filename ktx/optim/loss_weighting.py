@@ -52,6 +52,7 @@ from ktx.optim.task_gradients import (
     nonzero_tasks,
     num_tasks_of,
 )
+from ktx.optim.weighting import LossWeighting, loss_weighting, task_losses_array
 
 __all__ = [
     "UncertaintyState",
@@ -61,15 +62,6 @@ __all__ = [
     "GradNormState",
     "gradnorm",
 ]
-
-
-def _losses(task_losses, t: int, method: str) -> jax.Array:
-    if task_losses is None:
-        raise ValueError(f"{method}: update needs task_losses= (the [T] per-task losses)")
-    losses = jax.lax.stop_gradient(jnp.asarray(task_losses, jnp.float32))
-    if losses.shape != (t,):
-        raise ValueError(f"{method}: task_losses has shape {losses.shape}; expected ({t},)")
-    return losses
 
 
 def _present(task_present, stacked: list, losses: jax.Array, t: int, method: str) -> jax.Array:
@@ -95,7 +87,7 @@ def uncertainty(
     learning_rate: float = 1e-3,
     optimizer: optax.GradientTransformation | None = None,
     num_tasks: int | None = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossWeighting:
     """Uncertainty weighting; `optimizer` (default `optax.adam(learning_rate)`) learns `s`."""
     non_negative(learning_rate, "learning_rate", "uncertainty")
     inner = optimizer if optimizer is not None else optax.adam(learning_rate)
@@ -106,22 +98,17 @@ def uncertainty(
         s = jnp.zeros((t,), jnp.float32)
         return UncertaintyState(s, inner.init(s))
 
-    def update_fn(updates, state, params=None, *, task_losses=None, task_present=None, **extra):
-        del params, extra
-        stacked, _, _ = flatten_task_gradients(updates, "uncertainty")
-        t = num_tasks_of(stacked)
+    def step_fn(state, t, losses, present):
         check_state_tasks("uncertainty", state.log_vars.shape[0], t)
-        losses = _losses(task_losses, t, "uncertainty")
-        present = _present(task_present, stacked, losses, t, "uncertainty")
         s = state.log_vars
         w = 0.5 * jnp.exp(-s)
         grad_s = jnp.where(present, 0.5 - 0.5 * jnp.exp(-s) * losses, 0.0)
         step, opt_state = inner.update(grad_s, state.opt_state, s)
         new_s = jnp.where(present, optax.apply_updates(s, step), s)
         opt_state = _keep_absent(opt_state, state.opt_state, present)
-        return combine_with_weights(updates, w), UncertaintyState(new_s, opt_state)
+        return w, UncertaintyState(new_s, opt_state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return loss_weighting(init_fn, step_fn, "uncertainty")
 
 
 class DWAState(NamedTuple):
@@ -133,7 +120,7 @@ class DWAState(NamedTuple):
 
 def dwa(
     temperature: float = 2.0, beta: float = 0.0, num_tasks: int | None = None
-) -> optax.GradientTransformationExtraArgs:
+) -> LossWeighting:
     """Dynamic Weight Average; `beta` in [0, 1) smooths the losses (0: raw steps)."""
     if float(temperature) <= 0:
         raise ValueError(f"dwa: temperature={temperature!r}; expected > 0")
@@ -146,13 +133,8 @@ def dwa(
         z = jnp.zeros((t,), jnp.float32)
         return DWAState(jnp.zeros([], jnp.int32), z, z, jnp.zeros((t,), jnp.int32))
 
-    def update_fn(updates, state, params=None, *, task_losses=None, task_present=None, **extra):
-        del params, extra
-        stacked, _, _ = flatten_task_gradients(updates, "dwa")
-        t = num_tasks_of(stacked)
+    def step_fn(state, t, losses, present):
         check_state_tasks("dwa", state.last.shape[0], t)
-        losses = _losses(task_losses, t, "dwa")
-        present = _present(task_present, stacked, losses, t, "dwa")
         ratio = state.last / jnp.where(state.before_last > 0, state.before_last, 1.0)
         ratio = jnp.where(state.observed >= 2, ratio, 1.0)
         w = t * jax.nn.softmax(ratio / temperature)
@@ -165,9 +147,9 @@ def dwa(
             jnp.where(present, state.last, state.before_last),
             state.observed + present.astype(jnp.int32),
         )
-        return combine_with_weights(updates, w), new_state
+        return w, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return loss_weighting(init_fn, step_fn, "dwa")
 
 
 class GradNormState(NamedTuple):
@@ -206,7 +188,7 @@ def gradnorm(
         stacked, _, treedef = flatten_task_gradients(updates, "gradnorm")
         t = num_tasks_of(stacked)
         check_state_tasks("gradnorm", state.weights.shape[0], t)
-        losses = _losses(task_losses, t, "gradnorm")
+        losses = task_losses_array(task_losses, t, "gradnorm")
         present = _present(task_present, stacked, losses, t, "gradnorm")
         names = param_names(treedef.unflatten([0] * len(stacked)))
         chosen = [

@@ -171,6 +171,7 @@ def train(
     sparse_tables: Sequence[str] | None = None,
     target_task: int = 0,
     log_diagnostics: bool = True,
+    weights_from_losses: bool = True,
     norm_metrics: bool = True,
     seed: int = 0,
     log_period: int = 100,
@@ -209,6 +210,10 @@ def train(
         `ktx.training.trainer.StepOptions`.
       log_diagnostics: balanced runs: log per-task gradient norms, cosines (against
         `target_task`) and MetaBalance weights at every log step.
+      weights_from_losses: balanced runs whose balancer weighs the losses only
+        (Single-Loss, Vanilla-Multi, fixed weights, Uncertainty, DWA): one backward pass
+        of the weighted loss instead of per-task gradients (the same update); False:
+        per-task gradients every step (`StepOptions.weights_from_losses`).
       norm_metrics: report `grad_norm`, `update_norm` and `param_norm` (three passes over
         the parameters every step; False for a small model whose step they slow, as the
         recommendation model's: `runs/recsys_train.gin`).
@@ -280,6 +285,7 @@ def train(
         num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
         sparse_tables=sparse_tables, diagnostics_period=log_period if log_diagnostics else 0,
         target_task=target_task, uncertainty_rows=mt_uncertainty_rows, norm_metrics=norm_metrics,
+        weights_from_losses=weights_from_losses,
         uncertainty_proxies=proxies,
         # A sharded MultiTaskInput's process-grouped batches: the step regroups them by task.
         regroup_by_task=bool(getattr(train_input, "process_grouped", False)),

@@ -301,6 +301,15 @@ class TaskOptimizer:
     def _tx(self) -> optax.GradientTransformation:
         return self._frozen_tx
 
+    @property
+    def weights_from_losses(self) -> bool:
+        """Whether the balancer's weights depend on the losses only (a
+        `ktx.optim.LossWeighting`): the step can then skip per-task gradients
+        (`update_weighted`)."""
+        from ktx.optim.weighting import LossWeighting
+
+        return isinstance(self.balancer, LossWeighting)
+
     def as_optax(self) -> optax.GradientTransformation:
         """The whole update as one optax transformation (`chain(balancer, optimizer)`)."""
         return optax.chain(self.balancer, self._tx) if self.balanced else self._tx
@@ -328,6 +337,19 @@ class TaskOptimizer:
             task_present=task_present)
         updates, optimizer_state = self._tx.update(grads, optimizer_state, params)
         return grads, updates, (balancer_state, optimizer_state)
+
+    def update_weighted(
+        self, gradient: Any, balancer_state: Any, state: Any, params: Any
+    ) -> tuple[Any, Any, Any]:
+        """`update` for a `LossWeighting` balancer whose combination was done already:
+        `gradient` is `sum_t w_t g_t` with `(w, balancer_state) = balancer.weights(...)`
+        (`ktx.optim.loss_weighted_gradient`); `(gradient, updates, new_state)` as `update`
+        returns them, with `balancer_state` as the new balancer state."""
+        if not self.weights_from_losses:
+            raise TypeError(f"update_weighted needs a ktx.optim.LossWeighting balancer; "
+                            f"got {self.balancer!r}")
+        updates, optimizer_state = self._tx.update(gradient, state[1], params)
+        return gradient, updates, (balancer_state, optimizer_state)
 
     def learning_rate(self, step: jax.Array) -> jax.Array:
         """The scheduled learning rate at `step` (0 when no schedule was given)."""

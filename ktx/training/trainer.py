@@ -15,7 +15,9 @@ options, not copies.
   `ktx.optim.compute_task_gradients` builds per-task gradients (task blocks, one-hot VJP,
   sparse embedding-table rows) and the balancer combines them before the optimizer; a
   process-grouped batch (a sharded input's, `StepOptions.regroup_by_task`) is sorted by
-  task in the step first, for the task blocks;
+  task in the step first, for the task blocks; a balancer whose weights depend on the
+  losses only (`ktx.optim.LossWeighting`) skips the per-task gradients: one backward pass
+  of the weighted loss (`ktx.optim.loss_weighted_gradient`) gives its update;
 * microbatched (`StepOptions.num_microbatches = M`): the batch `[B, ...]` is cut into M
   slices `[B / M, ...]` accumulated by one `lax.scan` (`accumulate`); each slice's loss
   sums are divided by the normalizer of the *whole* batch, so the accumulated gradient
@@ -118,6 +120,12 @@ class StepOptions:
         balanced path then uses the VJP engine (the selected rows are not task blocks).
       uncertainty_proxies: `(regression task, classification task)` index pairs: a
         regression task's rows borrow the classification task's entropies.
+      weights_from_losses: balanced path: a balancer whose weights depend on the losses
+        only (`ktx.optim.LossWeighting`: Single-Loss, Vanilla-Multi, fixed weights,
+        Uncertainty, DWA) gets its combined gradient from one backward pass of the
+        weighted loss (`ktx.optim.loss_weighted_gradient`), the same update as from
+        per-task gradients at a plain step's cost (per-task gradients are then built on
+        the diagnostics' steps only). Needs M = 1; False: per-task gradients every step.
     """
 
     num_microbatches: int = 1
@@ -132,6 +140,7 @@ class StepOptions:
     norm_metrics: bool = True
     uncertainty_rows: int = 0
     uncertainty_proxies: tuple[tuple[int, int], ...] | None = None
+    weights_from_losses: bool = True
 
     def __post_init__(self):
         m = self.num_microbatches
@@ -151,6 +160,9 @@ class StepOptions:
                 object.__setattr__(self, name, tuple(value))  # () (none) is not None (default)
                 continue
             object.__setattr__(self, name, tuple(value) if value else None)
+        if not isinstance(self.weights_from_losses, (bool, np.bool_)):
+            raise TypeError(f"weights_from_losses={self.weights_from_losses!r}; accepted: "
+                            "True or False")
         if not isinstance(self.regroup_by_task, (bool, np.bool_)):
             raise TypeError(f"regroup_by_task={self.regroup_by_task!r}; accepted: True or False")
         u = self.uncertainty_rows
@@ -210,6 +222,14 @@ def _task_blocks(options: StepOptions) -> bool:
     """Whether the balanced path may use task blocks: microbatches cut across them, and
     uncertainty-selected rows are in score order, so both take the one-hot VJP engine."""
     return options.num_microbatches == 1 and not options.uncertainty_rows
+
+
+def _weights_from_losses(optimizer: TaskOptimizer, options: StepOptions) -> bool:
+    """Whether the balanced step takes the loss-weighted shortcut
+    (`ktx.optim.loss_weighted_gradient`): a `LossWeighting` balancer, the option on, one
+    microbatch (the weights need the whole batch's losses before any backward pass)."""
+    return (optimizer.weights_from_losses and options.weights_from_losses
+            and options.num_microbatches == 1)
 
 
 def group_rows_by_task(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -287,8 +307,6 @@ def train_step(
     # Rows are numbered before the batch is cut into task blocks or microbatches: dropout
     # is keyed per row (ktx.models.base.row_keys), so every path draws the same masks.
     batch = with_row_ids(batch)
-    if options.regroup_by_task and optimizer.balanced and _task_blocks(options):
-        batch = group_rows_by_task(batch)  # process-grouped -> the blocks' task order
     normalizer = model.normalizer(batch)
     present = rows_per_task(batch, num_tasks)
     diagnostics, logged = {}, jnp.zeros((), bool)
@@ -300,22 +318,46 @@ def train_step(
         # order, so both use the one-hot VJP engine.
         blocked = _task_blocks(options)
 
-        def task_grads(mb):
-            return optim.compute_task_gradients(
-                lambda p, b: model.loss_sums_with_state(p, model_state, b, step_rng, True),
-                normalizer, params, mb,
-                num_tasks=num_tasks, shared=options.shared, sparse_tables=options.sparse_tables,
-                method=options.grad_method if blocked else "vjp",
-                task_capacity=options.task_capacity if blocked else None,
-                check_layout=options.check_layout,
-            )
+        def loss_sums(p, b):
+            return model.loss_sums_with_state(p, model_state, b, step_rng, True)
 
-        task_losses, aux, per_task = accumulate(task_grads, batch, options.num_microbatches)
-        grads, updates, opt_state = optimizer.update(
-            per_task, state.opt_state, params, task_losses=task_losses, task_present=present > 0)
+        def per_task_gradients():
+            rows = batch
+            if options.regroup_by_task and blocked:
+                rows = group_rows_by_task(rows)  # process-grouped -> the blocks' task order
+
+            def task_grads(mb):
+                return optim.compute_task_gradients(
+                    loss_sums, normalizer, params, mb,
+                    num_tasks=num_tasks, shared=options.shared,
+                    sparse_tables=options.sparse_tables,
+                    method=options.grad_method if blocked else "vjp",
+                    task_capacity=options.task_capacity if blocked else None,
+                    check_layout=options.check_layout,
+                )
+
+            return accumulate(task_grads, rows, options.num_microbatches)
+
+        if _weights_from_losses(optimizer, options):
+            # Weights known from the losses: one backward pass of the weighted loss.
+            def weights(losses):
+                return optimizer.balancer.weights(state.opt_state[0], losses, present > 0)
+
+            task_losses, aux, grads, balancer_state = optim.loss_weighted_gradient(
+                loss_sums, normalizer, params, batch, weights,
+                num_tasks=num_tasks, shared=options.shared)
+            grads, updates, opt_state = optimizer.update_weighted(
+                grads, balancer_state, state.opt_state, params)
+            per_task = None  # the diagnostics build them on their steps only
+        else:
+            task_losses, aux, per_task = per_task_gradients()
+            grads, updates, opt_state = optimizer.update(
+                per_task, state.opt_state, params, task_losses=task_losses,
+                task_present=present > 0)
         if options.diagnostics_period:
             def diag():
-                return optim.diagnostics(per_task, opt_state[0], target_task=options.target_task)
+                task_grads = per_task if per_task is not None else per_task_gradients()[2]
+                return optim.diagnostics(task_grads, opt_state[0], target_task=options.target_task)
 
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(diag))
             logged = (state.step + 1) % options.diagnostics_period == 0
@@ -634,8 +676,11 @@ class Trainer:
     def _capacity_for(self, task_counts: Any) -> tuple[int, ...] | None:
         """Static per-task block sizes: the most rows each task has had so far (one count
         tuple, or one per batch of a `[K, B, ...]` block), rounded up to a multiple of the
-        mesh's `data` axis."""
+        mesh's `data` axis. None when the step builds no task blocks (plain; the
+        loss-weighted shortcut without diagnostics): one compiled step for every count."""
         if not self.optimizer.balanced or task_counts is None or not _task_blocks(self.options):
+            return None
+        if _weights_from_losses(self.optimizer, self.options) and not self.options.diagnostics_period:
             return None
         steps = per_step_counts(task_counts)
         counts = tuple(max(int(c[t]) for c in steps) for t in range(len(steps[0])))
