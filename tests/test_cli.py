@@ -216,7 +216,8 @@ def test_balanced_train_on_a_data_x_model_mesh_with_uneven_task_blocks(tmp_path,
     flags = [f for f in _flags(model_gin, tmp_path / "blocks", 3) if "BATCH_SIZE" not in f
              and "log_period" not in f]
     common = ["--gin_file=optim/vanilla_multi.gin", "--gin.BATCH_SIZE=16",
-              "--gin.NUM_PARTITIONS=2", "--gin.train_script.train.log_period=1"]
+              "--gin.NUM_PARTITIONS=2", "--gin.train_script.train.log_period=1",
+              "--gin.train_script.train.weights_from_losses=False"]  # per-task gradients
     assert cli.main(["train", *flags, *common]) == 0
     blocks = [line for line in capsys.readouterr().out.splitlines() if "| loss" in line]
     gin.clear_config(clear_constants=True)

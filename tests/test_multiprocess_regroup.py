@@ -23,7 +23,9 @@ def _run(tmp: pathlib.Path, balanced: bool) -> list[float]:
     model_gin.write_text(tiny_t5_gin())
     flags = [
         "--gin_file=runs/train.gin", f"--gin_file={model_gin}",
-        *(["--gin_file=optim/vanilla_multi.gin"] if balanced else []),
+        # Per-task gradients from task blocks, not the loss-weighted shortcut.
+        *(["--gin_file=optim/vanilla_multi.gin",
+           "--gin.train_script.train.weights_from_losses=False"] if balanced else []),
         "--gin.NUM_TASKS=4", f"--gin.MODEL_DIR='{tmp / 'run'}'",
         "--gin.MIXTURE_OR_TASK_NAME='synthetic_quickstart'",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",

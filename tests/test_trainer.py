@@ -266,11 +266,14 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert CheckpointManager(tmp_path).all_steps() == [2, 4]
 
 
-def test_balanced_path_with_vanilla_multi_equals_plain_path():
+@pytest.mark.parametrize("shortcut", [True, False])
+def test_balanced_path_with_vanilla_multi_equals_plain_path(shortcut):
+    """Per-task gradients summed, and the loss-weighted shortcut (weights 1)."""
     optim = pytest.importorskip("ktx.optim")
     inp = ToyInput()
     plain = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1))
-    balanced = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi())
+    balanced = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi(),
+                                   weights_from_losses=shortcut)
     s_plain, l_plain = _run_steps(plain, 2, inp)
     state = balanced.init_state(jax.random.key(0), inp.get_batch(0))
     l_bal = []
@@ -422,7 +425,7 @@ def test_balanced_step_compiles_per_block_size_not_per_count_tuple():
     # One device: blocks are not rounded up to the data axis (below).
     one = partitioning.create_mesh(1, devices=jax.devices()[:1])
     balanced = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi(),
-                                   mesh=one)
+                                   mesh=one, weights_from_losses=False)  # task blocks
     sp = plain.init_state(jax.random.key(0), inp.get_batch(0))
     sb = balanced.init_state(jax.random.key(0), inp.get_batch(0))
     for step in range(12):
@@ -443,7 +446,7 @@ def test_task_blocks_are_rounded_up_to_the_data_axis():
     def capacity(data, counts_seq):
         mesh = partitioning.create_mesh(8 // data)  # data x (8 / data) over the 8 devices
         tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi(),
-                                 mesh=mesh)
+                                 mesh=mesh, weights_from_losses=False)
         for counts in counts_seq:
             got = tr._capacity_for(counts)
         return got

@@ -118,7 +118,7 @@ def _step(batch, regroup: bool, check_layout: bool = True):
     state = trainer.init_state(jax.random.key(0), {k: v for k, v in batch.items() if k != ROW_ID})
     options = trainer_lib.StepOptions(grad_method="blocks", task_capacity=COUNTS,
                                       regroup_by_task=regroup, sparse_tables=(),
-                                      check_layout=check_layout)
+                                      check_layout=check_layout, weights_from_losses=False)
     step = jax.jit(functools.partial(trainer_lib.train_step, model=model, optimizer=optimizer,
                                      options=options))
     metrics = []

@@ -207,6 +207,7 @@ def precompile(
     additional_rules: Sequence[tuple[str, str | None]] = (),
     parameter_partitioning_dims: int = 1,
     target_task: int = 0,
+    weights_from_losses: bool = True,
     on_compile: Callable[[dict[str, int]], None] | None = None,
 ) -> PrecompileReport:
     """Lowers and compiles one train step for `topology`; see the module docstring.
@@ -222,7 +223,8 @@ def precompile(
     rules = partitioning.standard_logical_axis_rules(additional_rules, parameter_partitioning_dims)
     trainer = Trainer(model, optimizer, mesh=mesh, rules=rules, balancer=balancer,
                       num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
-                      diagnostics_period=100, target_task=target_task)
+                      diagnostics_period=100, target_task=target_task,
+                      weights_from_losses=weights_from_losses)
     spec = model.input_spec(batch_size, task_feature_lengths)
     abstract_state, _ = trainer.create_abstract_state(spec)
     data = partitioning.data_sharding(mesh)

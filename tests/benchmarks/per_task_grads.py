@@ -7,7 +7,9 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
 * `trainer_path`: the compiled step `ktx train` runs (`ktx.training.trainer.Trainer.train_step`,
   with the model's default `sparse_tables`: T5's token embedding, the recommendation tables;
   Adam after the balancer, but a bare learning rate after MTAdam, which is itself the
-  optimizer, as its gin files chain it; diagnostics at the default log period of 100 steps), plain and with every
+  optimizer, as its gin files chain it; diagnostics at the default log period of 100 steps;
+  the loss-weighting balancers take the step's loss-weighted shortcut, `ktx train`'s
+  default, `StepOptions.weights_from_losses`), plain and with every
   balancer in `ktx.optim.BALANCERS`, timed interleaved: each repeat times `--steps`
   steps of every configuration, in an order rotated from repeat to repeat; the ratio is
   median balanced step time / median plain step time (min and median per config also

@@ -422,8 +422,9 @@ def test_task_blocks_vjp_and_microbatches_equal_the_whole_batch_with_dropout():
 
     plain = run()
     assert np.all(plain[3][-1]["smart_proximal"] > 0)
-    for kwargs in ({"balancer": optim.vanilla_multi(), "grad_method": "blocks"},
-                   {"balancer": optim.vanilla_multi(), "grad_method": "vjp"},
+    per_task = {"balancer": optim.vanilla_multi(), "weights_from_losses": False}
+    for kwargs in (dict(per_task, grad_method="blocks"), dict(per_task, grad_method="vjp"),
+                   {"balancer": optim.vanilla_multi()},  # the loss-weighted shortcut
                    {"num_microbatches": 2}):
         got = run(**kwargs)
         np.testing.assert_allclose(got[0], plain[0], rtol=1e-5, err_msg=str(kwargs))

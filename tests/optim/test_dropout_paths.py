@@ -110,8 +110,8 @@ def test_trainer_plain_balanced_and_microbatched_agree_under_dropout():
     model = _t5(0.1)
     batch = _t5_batch()
     plain, p_plain = _three_steps(model, batch)
-    for kwargs in ({"balancer": optim.vanilla_multi(), "grad_method": "blocks"},
-                   {"balancer": optim.vanilla_multi(), "grad_method": "vjp"},
+    per_task = {"balancer": optim.vanilla_multi(), "weights_from_losses": False}
+    for kwargs in (dict(per_task, grad_method="blocks"), dict(per_task, grad_method="vjp"),
                    {"num_microbatches": 4}):
         got, p_got = _three_steps(model, batch, **kwargs)
         np.testing.assert_allclose(got, plain, rtol=1e-5, err_msg=str(kwargs))
