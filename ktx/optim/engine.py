@@ -427,6 +427,7 @@ def loss_weighted_gradient(
     *,
     num_tasks: int,
     shared: Sequence[str] | str | None = None,
+    sparse_tables: Sequence[str] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], Any, Any]:
     """The update of a balancer whose weights depend on the losses only (a
     `ktx.optim.LossWeighting`), without per-task gradients (call inside `jax.jit`).
@@ -435,7 +436,9 @@ def loss_weighted_gradient(
     (e.g. `lambda l: tx.weights(state, l, present)`), and two vector-Jacobian products of
     the same forward pass the gradient: cotangent `w / normalizer` for the shared
     parameters, `1 / normalizer` for the unshared ones (skipped when every parameter is
-    shared; XLA drops each product's unused half). Any batch layout works.
+    shared; XLA drops each product's unused half). Any batch layout works. With
+    `sparse_tables` (as in `compute_task_gradients`) the selected tables are held constant
+    and their gradient is the looked-up rows' gradients scattered into the table once.
 
     Returns:
       `(task_losses [T], aux, grad, out)` with `grad` params-shaped and equal to
@@ -447,7 +450,15 @@ def loss_weighted_gradient(
     normalizer = jax.lax.stop_gradient(jnp.asarray(normalizer))
     if normalizer.shape != (num_tasks,):
         raise ValueError(f"normalizer has shape {normalizer.shape}; expected ({num_tasks},)")
-    sums, vjp_fn, aux = jax.vjp(lambda p: loss_sums_fn(p, batch), params, has_aux=True)
+    if sparse_tables:
+        sl = SparseLookups(loss_sums_fn, params, sparse_tables)
+        sl.call_names_for(params, batch)
+        deltas = [jnp.zeros(x.shape, x.dtype) for x in sl.delta_specs(params, batch)]
+        f = sl.fn(params)
+        sums, vjp_fn, (aux, indices) = jax.vjp(
+            lambda d, z: f(d, z, batch), sl.split(params), deltas, has_aux=True)
+    else:
+        sums, vjp_fn, aux = jax.vjp(lambda p: loss_sums_fn(p, batch), params, has_aux=True)
     if sums.shape != (num_tasks,):
         raise ValueError(
             f"loss_sums_fn returned sums of shape {sums.shape}; expected ({num_tasks},)")
@@ -457,10 +468,32 @@ def loss_weighted_gradient(
     w = jax.lax.stop_gradient(jnp.asarray(w, sums.dtype))
     if w.shape != (num_tasks,):
         raise ValueError(f"weights_fn returned weights of shape {w.shape}; expected ({num_tasks},)")
-    (weighted,) = vjp_fn(w * inverse)
     mask = shared_mask(params, shared)
-    if all(jax.tree.leaves(mask)):
-        return losses, aux, weighted, out
-    (summed,) = vjp_fn(inverse)
+    flags = jax.tree.leaves(mask)
+    weighted = vjp_fn(w * inverse)
+    summed = weighted if all(flags) else vjp_fn(inverse)
+    if sparse_tables:
+        weighted, summed = (_scatter_rows(sl, params, g, indices) for g in (weighted, summed))
+    else:
+        weighted, summed = weighted[0], summed[0]
     grad = jax.tree.map(lambda m, a, b: a if m else b, mask, weighted, summed)
     return losses, aux, grad, out
+
+
+def _scatter_rows(sl: SparseLookups, params: Any, grads: tuple, indices: list) -> Any:
+    """A params-shaped gradient from `(dense leaf grads, row grads per lookup)`: each
+    table's looked-up rows scattered (added) into a zero table."""
+    dense, rows = grads
+    tables = {}
+    for name, g, idx in zip(sl.call_names, rows, indices):
+        leaf = sl.leaves[sl.names.index(name)]
+        base = tables.get(name, jnp.zeros(leaf.shape, leaf.dtype))
+        tables[name] = base.at[idx.reshape(-1)].add(g.reshape(-1, g.shape[-1]).astype(leaf.dtype))
+    it = iter(dense)
+    out = []
+    for i, leaf in enumerate(sl.leaves):
+        if i in sl.table_ids:
+            out.append(tables.get(sl.names[i], jnp.zeros(leaf.shape, leaf.dtype)))
+        else:
+            out.append(next(it))
+    return sl.treedef.unflatten(out)

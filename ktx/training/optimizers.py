@@ -305,7 +305,7 @@ class TaskOptimizer:
     def weights_from_losses(self) -> bool:
         """Whether the balancer's weights depend on the losses only (a
         `ktx.optim.LossWeighting`): the step can then skip per-task gradients
-        (`update_weighted`)."""
+        (`ktx.optim.loss_weighted_gradient`, then `apply_balanced`)."""
         from ktx.optim.weighting import LossWeighting
 
         return isinstance(self.balancer, LossWeighting)
@@ -331,23 +331,19 @@ class TaskOptimizer:
         if not self.balanced:
             updates, state = self._tx.update(gradients, state, params)
             return gradients, updates, state
-        balancer_state, optimizer_state = state
         grads, balancer_state = self.balancer.update(
-            gradients, balancer_state, params, task_losses=task_losses,
-            task_present=task_present)
-        updates, optimizer_state = self._tx.update(grads, optimizer_state, params)
-        return grads, updates, (balancer_state, optimizer_state)
+            gradients, state[0], params, task_losses=task_losses, task_present=task_present)
+        return self.apply_balanced(grads, balancer_state, state, params)
 
-    def update_weighted(
+    def apply_balanced(
         self, gradient: Any, balancer_state: Any, state: Any, params: Any
     ) -> tuple[Any, Any, Any]:
-        """`update` for a `LossWeighting` balancer whose combination was done already:
-        `gradient` is `sum_t w_t g_t` with `(w, balancer_state) = balancer.weights(...)`
-        (`ktx.optim.loss_weighted_gradient`); `(gradient, updates, new_state)` as `update`
-        returns them, with `balancer_state` as the new balancer state."""
-        if not self.weights_from_losses:
-            raise TypeError(f"update_weighted needs a ktx.optim.LossWeighting balancer; "
-                            f"got {self.balancer!r}")
+        """`update`'s second half: `gradient` is what the balancer made of the per-task
+        gradients (or `ktx.optim.loss_weighted_gradient`'s, for a `LossWeighting`), and
+        `balancer_state` its new state; `(gradient, updates, new_state)` as `update`
+        returns them."""
+        if not self.balanced:
+            raise TypeError("apply_balanced needs a TaskOptimizer with a balancer")
         updates, optimizer_state = self._tx.update(gradient, state[1], params)
         return gradient, updates, (balancer_state, optimizer_state)
 

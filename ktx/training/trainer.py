@@ -224,6 +224,10 @@ def _task_blocks(options: StepOptions) -> bool:
     return options.num_microbatches == 1 and not options.uncertainty_rows
 
 
+def _zeros_like_tree(shapes: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
 def _weights_from_losses(optimizer: TaskOptimizer, options: StepOptions) -> bool:
     """Whether the balanced step takes the loss-weighted shortcut
     (`ktx.optim.loss_weighted_gradient`): a `LossWeighting` balancer, the option on, one
@@ -338,30 +342,54 @@ def train_step(
 
             return accumulate(task_grads, rows, options.num_microbatches)
 
-        if _weights_from_losses(optimizer, options):
-            # Weights known from the losses: one backward pass of the weighted loss.
-            def weights(losses):
-                return optimizer.balancer.weights(state.opt_state[0], losses, present > 0)
-
-            task_losses, aux, grads, balancer_state = optim.loss_weighted_gradient(
-                loss_sums, normalizer, params, batch, weights,
-                num_tasks=num_tasks, shared=options.shared)
-            grads, updates, opt_state = optimizer.update_weighted(
-                grads, balancer_state, state.opt_state, params)
-            per_task = None  # the diagnostics build them on their steps only
-        else:
-            task_losses, aux, per_task = per_task_gradients()
-            grads, updates, opt_state = optimizer.update(
-                per_task, state.opt_state, params, task_losses=task_losses,
-                task_present=present > 0)
+        balancer_state = state.opt_state[0]
         if options.diagnostics_period:
-            def diag():
-                task_grads = per_task if per_task is not None else per_task_gradients()[2]
-                return optim.diagnostics(task_grads, opt_state[0], target_task=options.target_task)
-
-            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(diag))
             logged = (state.step + 1) % options.diagnostics_period == 0
-            diagnostics = jax.lax.cond(logged, diag, lambda: zeros)
+
+        def per_task_step():
+            """Per-task gradients and the balancer's update of them."""
+            task_losses, aux, per_task = per_task_gradients()
+            grads, new_balancer_state = optimizer.balancer.update(
+                per_task, balancer_state, params, task_losses=task_losses,
+                task_present=present > 0)
+            return task_losses, aux, grads, new_balancer_state, per_task
+
+        def diagnostics_of(per_task, new_balancer_state):
+            return optim.diagnostics(per_task, new_balancer_state, target_task=options.target_task)
+
+        if _weights_from_losses(optimizer, options):
+            # Weights known from the losses: one backward pass of the weighted loss; the
+            # per-task path on the diagnostics' steps. Both branches of the cond compute
+            # the gradient: a cond reading the (donated) parameters beside the gradient
+            # would make XLA copy them every step.
+            def logged_step():
+                *out, per_task = per_task_step()
+                return (*out, diagnostics_of(per_task, out[3]))
+
+            def shortcut_step():
+                def weights(losses):
+                    return optimizer.balancer.weights(balancer_state, losses, present > 0)
+
+                out = optim.loss_weighted_gradient(
+                    loss_sums, normalizer, params, batch, weights, num_tasks=num_tasks,
+                    shared=options.shared, sparse_tables=options.sparse_tables)
+                no_diagnostics = (_zeros_like_tree(jax.eval_shape(logged_step)[4])
+                                  if options.diagnostics_period else {})
+                return (*out, no_diagnostics)
+
+            if options.diagnostics_period:
+                step_out = jax.lax.cond(logged, logged_step, shortcut_step)
+            else:
+                step_out = shortcut_step()
+            task_losses, aux, grads, balancer_state, diagnostics = step_out
+        else:
+            task_losses, aux, grads, balancer_state, per_task = per_task_step()
+            if options.diagnostics_period:
+                zeros = _zeros_like_tree(jax.eval_shape(diagnostics_of, per_task, balancer_state))
+                diagnostics = jax.lax.cond(
+                    logged, lambda: diagnostics_of(per_task, balancer_state), lambda: zeros)
+        grads, updates, opt_state = optimizer.apply_balanced(
+            grads, balancer_state, state.opt_state, params)
     else:
         def loss(p, mb):
             losses, aux = model.task_losses(p, mb, step_rng, True, normalizer=normalizer,

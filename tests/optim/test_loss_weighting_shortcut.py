@@ -27,15 +27,16 @@ BALANCERS = {
 }
 
 
-def _steps(model, batch, balancer, shortcut, steps=3):
+def _steps(model, batch, balancer, shortcut, steps=3, diagnostics_period=0):
     tr = trainer_lib.Trainer(model, optax.adam(1e-2), balancer=balancer,
-                             weights_from_losses=shortcut, diagnostics_period=0)
+                             weights_from_losses=shortcut, diagnostics_period=diagnostics_period)
     state = tr.init_state(jax.random.key(0), batch)
-    losses = []
+    losses, diagnostics = [], []
     for _ in range(steps):
         state, m = tr.train_step(state, batch, jax.random.key(3), task_counts=COUNTS)
         losses.append(np.asarray(m["task_losses"]))
-    return tr, np.stack(losses), jax.device_get(state)
+        diagnostics.append(jax.device_get((m["diagnostics"], m["diagnostics_logged"])))
+    return tr, np.stack(losses), jax.device_get(state), diagnostics
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
@@ -43,9 +44,9 @@ def _steps(model, batch, balancer, shortcut, steps=3):
 def test_shortcut_equals_the_per_task_path(model_name, name):
     make_model, make_batch = MODELS[model_name]
     model, batch = make_model(), make_batch()
-    tr, fast, s_fast = _steps(model, batch, BALANCERS[name](), True)
+    tr, fast, s_fast, _ = _steps(model, batch, BALANCERS[name](), True)
     assert trainer_lib._weights_from_losses(tr.optimizer, tr.options)
-    _, slow, s_slow = _steps(model, batch, BALANCERS[name](), False)
+    _, slow, s_slow, _ = _steps(model, batch, BALANCERS[name](), False)
     np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-7)
     # Adam's step is g / sqrt(v): a ~0 gradient element turns summation-order rounding
     # into a step of up to lr (1e-2); 5e-5 is 0.2% of what 3 steps can move a parameter.
@@ -55,9 +56,26 @@ def test_shortcut_equals_the_per_task_path(model_name, name):
                  s_fast.opt_state[0], s_slow.opt_state[0])
 
 
-@pytest.mark.parametrize("model_name", sorted(MODELS))
-def test_loss_weighted_gradient_equals_the_combined_task_gradients(model_name):
-    """Shared parameters weighted, unshared ones (the recommendation towers) summed."""
+def test_shortcut_with_diagnostics_takes_the_per_task_path_on_their_steps():
+    """Diagnostics every 2nd step: those steps build per-task gradients (the same
+    diagnostics as the per-task path's), the others none; the updates stay the same."""
+    model, batch = MODELS["recsys"][0](), MODELS["recsys"][1]()
+    _, fast, s_fast, d_fast = _steps(model, batch, BALANCERS["uncertainty"](), True, 4, 2)
+    _, slow, s_slow, d_slow = _steps(model, batch, BALANCERS["uncertainty"](), False, 4, 2)
+    np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-7)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5),
+                 s_fast.params, s_slow.params)
+    assert [bool(logged) for _, logged in d_fast] == [False, True, False, True]
+    for (a, logged), (b, _) in zip(d_fast, d_slow):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7), a, b)
+        assert any(np.any(v != 0) for v in jax.tree.leaves(a)) == bool(logged)
+
+
+@pytest.mark.parametrize("model_name,sparse", [("t5", False), ("t5", True), ("recsys", False),
+                                               ("recsys", True)])
+def test_loss_weighted_gradient_equals_the_combined_task_gradients(model_name, sparse):
+    """Shared parameters weighted, unshared ones (the recommendation towers) summed; the
+    tables dense or through their looked-up rows."""
     make_model, make_batch = MODELS[model_name]
     model = make_model()
     batch = with_row_ids({k: jnp.asarray(v) for k, v in make_batch().items()})
@@ -76,7 +94,8 @@ def test_loss_weighted_gradient_equals_the_combined_task_gradients(model_name):
     @jax.jit
     def both(p):
         losses, _, grad, out = optim.loss_weighted_gradient(
-            loss_sums, normalizer, p, batch, lambda losses: (w, losses), num_tasks=4)
+            loss_sums, normalizer, p, batch, lambda losses: (w, losses), num_tasks=4,
+            sparse_tables=model.sparse_table_patterns if sparse else None)
         ref_losses, _, tg = optim.compute_task_gradients(
             loss_sums, normalizer, p, batch, num_tasks=4, task_counts=COUNTS)
         return losses, out, grad, ref_losses, combine_with_weights(tg, w)
