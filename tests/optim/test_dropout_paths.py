@@ -59,16 +59,22 @@ def _recsys_batch(seed=0):
 MODELS = {"t5": (_t5, _t5_batch), "recsys": (_recsys, _recsys_batch)}
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("method,sparse", [("blocks", False), ("vjp", False), ("blocks", True),
-                                           ("vjp", True)])
-def test_task_gradients_sum_to_the_plain_gradient_under_dropout(name, method, sparse):
+def model_batch_params(name):
+    """`MODELS[name]`'s model, its batch (numbered rows, jax arrays) and unboxed params."""
     make_model, make_batch = MODELS[name]
     model = make_model()
     batch = with_row_ids({k: jnp.asarray(v) for k, v in make_batch().items()})
     params = jax.tree.map(lambda x: getattr(x, "value", x),
                           model.init_variables(jax.random.key(0), batch)["params"],
                           is_leaf=lambda x: hasattr(x, "value"))
+    return model, batch, params
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("method,sparse", [("blocks", False), ("vjp", False), ("blocks", True),
+                                           ("vjp", True)])
+def test_task_gradients_sum_to_the_plain_gradient_under_dropout(name, method, sparse):
+    model, batch, params = model_batch_params(name)
     rng = jax.random.key(7)
     normalizer = model.normalizer(batch)
 

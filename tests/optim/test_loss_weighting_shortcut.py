@@ -13,10 +13,9 @@ import optax
 import pytest
 
 from ktx import optim
-from ktx.models.base import with_row_ids
 from ktx.optim.task_gradients import combine_with_weights
 from ktx.training import trainer as trainer_lib
-from tests.optim.test_dropout_paths import COUNTS, MODELS
+from tests.optim.test_dropout_paths import COUNTS, MODELS, model_batch_params
 
 BALANCERS = {
     "single_loss": lambda: optim.single_loss(target_task=1),
@@ -76,12 +75,7 @@ def test_shortcut_with_diagnostics_takes_the_per_task_path_on_their_steps():
 def test_loss_weighted_gradient_equals_the_combined_task_gradients(model_name, sparse):
     """Shared parameters weighted, unshared ones (the recommendation towers) summed; the
     tables dense or through their looked-up rows."""
-    make_model, make_batch = MODELS[model_name]
-    model = make_model()
-    batch = with_row_ids({k: jnp.asarray(v) for k, v in make_batch().items()})
-    params = jax.tree.map(lambda x: getattr(x, "value", x),
-                          model.init_variables(jax.random.key(0), batch)["params"],
-                          is_leaf=lambda x: hasattr(x, "value"))
+    model, batch, params = model_batch_params(model_name)
     rng, normalizer = jax.random.key(7), model.normalizer(batch)
     w = jnp.asarray([0.5, 2.0, 3.0, 0.25])
     mask = optim.shared_mask(params)
