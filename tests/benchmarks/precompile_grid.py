@@ -2,7 +2,7 @@
 
     python tests/benchmarks/precompile_grid.py [--slices v4-32,v5e-64]
         [--remats full,minimal,none] [--dims 2,1] [--models 16,8,...] [--timeout 480]
-        [--stop_at 2026-11-25T00:20] [--no_skip]
+        [--stop_at 2026-11-25T00:20] [--no_skip] [--known grid.jsonl]
 
 For every slice x data/model split x remat policy x parameter_partitioning_dims, one
 `ktx precompile` command (its own process; the compile in that command's own child
@@ -22,13 +22,21 @@ that compiled at the next try, so a crashed configuration is compiled again, `--
 times (the crashes are kept in `earlier_crashes`). The last line is a JSON summary (every configuration's status; per slice the
 fitting configurations and the one with the least memory).
 
-Memory is monotone in the two memory switches (remat none >= minimal >= full; dims 1 >=
-dims 2), so unless `--no_skip` a configuration is not compiled when a configuration of
+Memory is taken as monotone in the two memory switches (remat none >= minimal >= full;
+dims 1 >= dims 2), so unless `--no_skip` a configuration is not compiled when a configuration of
 the same slice and split that needs no more memory (remat at most as hungry, dims at least
-as high) did not fit: it is recorded as "does not fit (implied by <that config>)". The
-run tries remat full / dims 2 on every split first (the splits of the slices
-interleaved), then the hungrier pairs, so that a run stopped by `--stop_at` has tried
-every split once.
+as high) did not fit: it is recorded as "does not fit (implied by <that config>)". (The
+dims half is not always so: on v5e-64 2 x 32 dims 1 needed less than dims 2, see
+docs/scale.md; `--no_skip` compiles such configurations too.) The run tries remat full /
+dims 2 on every split first (the splits of the slices interleaved), then the hungrier
+pairs, so that a run stopped by `--stop_at` has tried every split once.
+
+`--known FILE` takes configurations measured before: a JSON-lines file of records in this
+script's output format (a run's output will do: its summary line, blank lines and "not run
+(--stop_at)" records are skipped; of two records of one configuration the later counts).
+Those configurations are not compiled or printed again, but they count for the "implied
+by" rule and in the summary line, which covers them and this run's. A malformed line is an
+error naming the file and the line.
 """
 
 from __future__ import annotations
@@ -159,6 +167,45 @@ def implied_by(config: tuple, done: dict) -> str | None:
     return None
 
 
+def load_known(path: str) -> dict[tuple, dict]:
+    """The records of `path` (JSON lines, this script's output format) by configuration
+    (slice, model, remat, dims); ValueError, naming the file and line, on a malformed one."""
+    known = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {n}"
+            try:
+                record = json.loads(line.strip())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: not a JSON object")
+            if "summary" in record:
+                continue
+            s, m, r, d, status = (record.get(k) for k in ("slice", "model", "remat", "dims",
+                                                          "status"))
+            if not (isinstance(s, str) and s in SLICES):
+                raise ValueError(f"{where}: slice={s!r}; accepted: {', '.join(sorted(SLICES))}")
+            if type(m) is not int or m < 1 or SLICES[s][1] % m:
+                raise ValueError(f"{where}: model={m!r}; accepted: a divisor of {s}'s "
+                                 f"{SLICES[s][1]} devices")
+            if not (isinstance(r, str) and r in REMAT_RANK):
+                raise ValueError(f"{where}: remat={r!r}; accepted: {', '.join(REMAT_RANK)}")
+            if type(d) is not int or d not in DIMS_RANK:
+                raise ValueError(f"{where}: dims={d!r}; accepted: 1, 2")
+            if not isinstance(status, str) or not status:
+                raise ValueError(f"{where}: status={status!r}; accepted: a status this script prints")
+            for key, value in (("topology", SLICES[s][0]), ("data", SLICES[s][1] // m)):
+                if record.get(key, value) != value:
+                    raise ValueError(f"{where}: {key}={record[key]!r}, but {s} at model={m} "
+                                     f"has {key}={value!r}")
+            if status != "not run (--stop_at)":
+                known[(s, m, r, d)] = record
+    return known
+
+
 def plan(slices, models_order, remats, dims_list) -> list[tuple]:
     """Configurations in run order: the least memory-hungry remat/dims pair (full, dims 2)
     on every split of every slice first (the splits of the slices interleaved), then the
@@ -192,6 +239,9 @@ def main(argv=None) -> int:
                         help="compiles again a configuration whose compiler crashed, this many times")
     parser.add_argument("--no_skip", action="store_true",
                         help="compile configurations whose less hungry sibling did not fit too")
+    parser.add_argument("--known", default=None,
+                        help="JSON lines of configurations measured before (this script's "
+                             "output): not compiled again, counted for skips and the summary")
     args = parser.parse_args(argv)
     slices = [s.strip() for s in args.slices.split(",") if s.strip()]
     for s in slices:
@@ -215,8 +265,15 @@ def main(argv=None) -> int:
         parser.error(f"--timeout={args.timeout:g}; accepted: seconds > 0")
 
     done: dict[tuple, dict] = {}
+    if args.known:
+        try:
+            done.update(load_known(args.known))
+        except (OSError, ValueError) as e:
+            parser.error(f"--known: {e}")
     started = time.perf_counter()
     for config in plan(slices, models_order, remats, dims_list):
+        if config in done:
+            continue  # measured before (--known)
         s, m, r, d = config
         base = dict(slice=s, topology=SLICES[s][0], data=SLICES[s][1] // m, model=m, remat=r, dims=d)
         reason = None if args.no_skip else implied_by(config, done)
