@@ -22,12 +22,11 @@ that compiled at the next try, so a crashed configuration is compiled again, `--
 times (the crashes are kept in `earlier_crashes`). The last line is a JSON summary (every configuration's status; per slice the
 fitting configurations and the one with the least memory).
 
-Memory is taken as monotone in the two memory switches (remat none >= minimal >= full;
-dims 1 >= dims 2), so unless `--no_skip` a configuration is not compiled when a configuration of
-the same slice and split that needs no more memory (remat at most as hungry, dims at least
-as high) did not fit: it is recorded as "does not fit (implied by <that config>)". (The
-dims half is not always so: on v5e-64 2 x 32 dims 1 needed less than dims 2, see
-docs/scale.md; `--no_skip` compiles such configurations too.) The run tries remat full /
+Memory is taken as monotone in the remat policy (none >= minimal >= full), so unless
+`--no_skip` a configuration is not compiled when one of the same slice, split and
+`parameter_partitioning_dims` with a remat at most as hungry did not fit: it is recorded
+as "does not fit (implied by <that config>)". Dims are not ordered: on v5e-64 2 x 32 and
+1 x 64 dims 1 needed less memory than dims 2 (docs/scale.md). The run tries remat full /
 dims 2 on every split first (the splits of the slices interleaved), then the hungrier
 pairs, so that a run stopped by `--stop_at` has tried every split once.
 
@@ -63,7 +62,7 @@ ACCELERATOR_TYPE = {"v4-32": "v4-32", "v4-128": "v4-128", "v5e-64": "v5litepod-6
                     "v5e-256": "v5litepod-256"}
 NUM_HEADS = 64  # T5.1.1-XXL
 REMAT_RANK = {"full": 0, "minimal": 1, "none": 2}  # memory: full <= minimal <= none
-DIMS_RANK = {2: 0, 1: 1}  # memory: dims 2 <= dims 1
+DIMS_RANK = {2: 0, 1: 1}  # the order dims are tried in (2 first)
 GIN_FILES = ("models/t5_1_1_xxl.gin", "runs/train.gin", "conditioning/hyperprompt_global.gin")
 GIB = 2.0 ** 30
 
@@ -156,13 +155,13 @@ def run_one(slice_name: str, model: int, remat: str, dims: int, timeout: float) 
 
 
 def implied_by(config: tuple, done: dict) -> str | None:
-    """A measured "does not fit" configuration of the same slice and split that needs no
-    more memory than `config`, named, or None."""
+    """A measured "does not fit" configuration of the same slice, split and dims with a
+    remat policy at most as hungry as `config`'s, named, or None."""
     slice_name, model, remat, dims = config
     for (s, m, r, d), record in done.items():
         if (s, m) != (slice_name, model) or (r, d) == (remat, dims) or record["status"] != "does not fit":
             continue
-        if REMAT_RANK[r] <= REMAT_RANK[remat] and DIMS_RANK[d] <= DIMS_RANK[dims]:
+        if d == dims and REMAT_RANK[r] <= REMAT_RANK[remat]:
             return f"{s} {SLICES[s][1] // m}x{m} remat {r} dims {d}"
     return None
 
