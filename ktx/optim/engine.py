@@ -328,12 +328,19 @@ def _sparse_blocks(sl, loss_sums_fn, normalizer, params, batch, num_tasks, sizes
     return sums, aux, sl.assemble(params, gd, gz, idx, num_tasks)
 
 
-def _sparse_vjp(sl, loss_sums_fn, normalizer, params, batch, num_tasks):
+def _sparse_forward(sl, params, batch):
+    """One forward pass with `sl`'s tables held constant: `(sums, vjp_fn, aux, indices)`,
+    `vjp_fn(cotangent) -> (dense leaf grads, row grads per lookup)`."""
     sl.call_names_for(params, batch)
     deltas = [jnp.zeros(s.shape, s.dtype) for s in sl.delta_specs(params, batch)]
     f = sl.fn(params)
-    sums, vjp_fn, (aux, idx) = jax.vjp(
+    sums, vjp_fn, (aux, indices) = jax.vjp(
         lambda d, z: f(d, z, batch), sl.split(params), deltas, has_aux=True)
+    return sums, vjp_fn, aux, indices
+
+
+def _sparse_vjp(sl, loss_sums_fn, normalizer, params, batch, num_tasks):
+    sums, vjp_fn, aux, idx = _sparse_forward(sl, params, batch)
     cotangents = jnp.eye(num_tasks, dtype=sums.dtype) / normalizer.astype(sums.dtype)[:, None]
     gd, gz = jax.vmap(vjp_fn)(cotangents)
     idx = [jnp.broadcast_to(i, (num_tasks,) + i.shape) for i in idx]
@@ -452,11 +459,7 @@ def loss_weighted_gradient(
         raise ValueError(f"normalizer has shape {normalizer.shape}; expected ({num_tasks},)")
     if sparse_tables:
         sl = SparseLookups(loss_sums_fn, params, sparse_tables)
-        sl.call_names_for(params, batch)
-        deltas = [jnp.zeros(x.shape, x.dtype) for x in sl.delta_specs(params, batch)]
-        f = sl.fn(params)
-        sums, vjp_fn, (aux, indices) = jax.vjp(
-            lambda d, z: f(d, z, batch), sl.split(params), deltas, has_aux=True)
+        sums, vjp_fn, aux, indices = _sparse_forward(sl, params, batch)
     else:
         sums, vjp_fn, aux = jax.vjp(lambda p: loss_sums_fn(p, batch), params, has_aux=True)
     if sums.shape != (num_tasks,):
@@ -468,19 +471,20 @@ def loss_weighted_gradient(
     w = jax.lax.stop_gradient(jnp.asarray(w, sums.dtype))
     if w.shape != (num_tasks,):
         raise ValueError(f"weights_fn returned weights of shape {w.shape}; expected ({num_tasks},)")
+    def gradient(cotangent):
+        g = vjp_fn(cotangent)
+        return _scatter_rows(sl, g, indices) if sparse_tables else g[0]
+
     mask = shared_mask(params, shared)
-    flags = jax.tree.leaves(mask)
-    weighted = vjp_fn(w * inverse)
-    summed = weighted if all(flags) else vjp_fn(inverse)
-    if sparse_tables:
-        weighted, summed = (_scatter_rows(sl, params, g, indices) for g in (weighted, summed))
-    else:
-        weighted, summed = weighted[0], summed[0]
+    weighted = gradient(w * inverse)
+    if all(jax.tree.leaves(mask)):
+        return losses, aux, weighted, out
+    summed = gradient(inverse)
     grad = jax.tree.map(lambda m, a, b: a if m else b, mask, weighted, summed)
     return losses, aux, grad, out
 
 
-def _scatter_rows(sl: SparseLookups, params: Any, grads: tuple, indices: list) -> Any:
+def _scatter_rows(sl: SparseLookups, grads: tuple, indices: list) -> Any:
     """A params-shaped gradient from `(dense leaf grads, row grads per lookup)`: each
     table's looked-up rows scattered (added) into a zero table."""
     dense, rows = grads

@@ -41,7 +41,6 @@ import optax
 from ktx.optim.num_tasks import (
     check_state_tasks,
     non_negative,
-    present_tasks,
     resolve_num_tasks,
 )
 from ktx.optim.selection import param_names
@@ -49,10 +48,9 @@ from ktx.optim.task_gradients import (
     combine_with_weights,
     flatten_task_gradients,
     leaf_sq_norms,
-    nonzero_tasks,
     num_tasks_of,
 )
-from ktx.optim.weighting import LossWeighting, loss_weighting, task_losses_array
+from ktx.optim.weighting import LossWeighting, loss_weighting, presence, task_losses_array
 
 __all__ = [
     "UncertaintyState",
@@ -62,11 +60,6 @@ __all__ = [
     "GradNormState",
     "gradnorm",
 ]
-
-
-def _present(task_present, stacked: list, losses: jax.Array, t: int, method: str) -> jax.Array:
-    """`[T]` bool; default: a task is absent when its loss and shared gradients are all 0."""
-    return present_tasks(task_present, t, method, nonzero_tasks(stacked) | (losses != 0))
 
 
 def _keep_absent(new: Any, old: Any, present: jax.Array) -> Any:
@@ -189,7 +182,7 @@ def gradnorm(
         t = num_tasks_of(stacked)
         check_state_tasks("gradnorm", state.weights.shape[0], t)
         losses = task_losses_array(task_losses, t, "gradnorm")
-        present = _present(task_present, stacked, losses, t, "gradnorm")
+        present = presence(task_present, stacked, losses, t, "gradnorm")
         names = param_names(treedef.unflatten([0] * len(stacked)))
         chosen = [
             s for n, s in zip(names, stacked)

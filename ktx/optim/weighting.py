@@ -40,6 +40,7 @@ __all__ = [
     "LossWeighting",
     "loss_weighting",
     "task_losses_array",
+    "presence",
     "single_loss",
     "vanilla_multi",
     "fixed_weights",
@@ -74,6 +75,15 @@ def task_losses_array(task_losses: Any, num_tasks: int, method: str) -> jax.Arra
     return losses
 
 
+def presence(task_present: Any, stacked: list, losses: jax.Array, t: int,
+             method: str) -> jax.Array:
+    """`[T]` bool: `task_present` when given, else a task is absent when its loss and its
+    shared gradients (`stacked` leaves) are all exactly 0."""
+    if task_present is None:
+        return nonzero_tasks(stacked) | (losses != 0)
+    return present_tasks(task_present, t, method, None)
+
+
 def loss_weighting(init_fn: Callable[[Any], Any], step_fn: StepFn, name: str,
                    uses_losses: bool = True) -> LossWeighting:
     """A `LossWeighting` from `init_fn(params) -> state` and `step_fn(state, T, losses,
@@ -88,10 +98,7 @@ def loss_weighting(init_fn: Callable[[Any], Any], step_fn: StepFn, name: str,
         losses = present = None
         if uses_losses:
             losses = task_losses_array(task_losses, t, name)
-            if task_present is None:
-                present = nonzero_tasks(stacked) | (losses != 0)
-            else:
-                present = present_tasks(task_present, t, name, None)
+            present = presence(task_present, stacked, losses, t, name)
         w, state = step_fn(state, t, losses, present)
         return combine_with_weights(updates, w), state
 

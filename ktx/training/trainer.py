@@ -196,6 +196,11 @@ def split_microbatches(batch: Mapping[str, jax.Array], num_microbatches: int) ->
     return out
 
 
+def _zeros_like_tree(shapes: Any) -> Any:
+    """Zeros of every `ShapeDtypeStruct` in `shapes` (a `jax.eval_shape` result)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
 def accumulate(fn: Callable[[Mapping[str, jax.Array]], Any], batch: Mapping[str, jax.Array],
                num_microbatches: int) -> Any:
     """`fn(batch)` for M = 1, else the sum of `fn` over the M microbatches (a `lax.scan`
@@ -204,7 +209,7 @@ def accumulate(fn: Callable[[Mapping[str, jax.Array]], Any], batch: Mapping[str,
         return fn(batch)
     mbs = split_microbatches(batch, num_microbatches)
     shapes = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], mbs))
-    init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    init = _zeros_like_tree(shapes)
 
     def body(carry, mb):
         return jax.tree.map(jnp.add, carry, fn(mb)), None
@@ -222,10 +227,6 @@ def _task_blocks(options: StepOptions) -> bool:
     """Whether the balanced path may use task blocks: microbatches cut across them, and
     uncertainty-selected rows are in score order, so both take the one-hot VJP engine."""
     return options.num_microbatches == 1 and not options.uncertainty_rows
-
-
-def _zeros_like_tree(shapes: Any) -> Any:
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
 def _weights_from_losses(optimizer: TaskOptimizer, options: StepOptions) -> bool:
