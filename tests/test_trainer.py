@@ -7,6 +7,8 @@ exercise the trainer without the T5 model; the T5 equivalence test is in
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -435,7 +437,7 @@ def test_balanced_step_compiles_per_block_size_not_per_count_tuple():
         np.testing.assert_allclose(float(mb["loss"]), float(mp["loss"]), rtol=1e-5)
     # Block sizes = the most rows seen per task: (5, 3) -> (5, 4) -> (6, 4) -> (6, 5) in
     # the first 5 steps, then no compile in the 7 steps after (which revisit every tuple).
-    assert sorted(c for c, _ in balanced._compiled) == [(5, 3), (5, 4), (6, 4), (6, 5)]
+    assert sorted(c for c, *_ in balanced._compiled) == [(5, 3), (5, 4), (6, 4), (6, 5)]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  jax.device_get(sb.params), jax.device_get(sp.params))
 
@@ -479,6 +481,45 @@ def test_diagnostics_only_on_log_steps_against_the_target_task():
     assert logged == [False, False, True, False, False, True]
     with pytest.raises(ValueError, match="target_task=2"):
         trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), target_task=2)
+
+
+def test_host_picks_a_step_with_or_without_diagnostics_as_the_cond_would():
+    """The Trainer compiles the balanced step with and without diagnostics and picks on
+    the host from its mirror of the step (a block of steps with a logged one keeps the
+    `lax.cond`): the same states and metrics as the pure step deciding by itself."""
+    from ktx import optim
+
+    inp = ToyInput()
+    for balancer in (optim.metabalance(target_task=1, num_tasks=2), optim.uncertainty(num_tasks=2)):
+        tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=balancer,
+                                 diagnostics_period=3, target_task=1)
+        state = tr.init_state(jax.random.key(0), inp.get_batch(0))
+        ref = jax.jit(functools.partial(
+            trainer_lib.train_step, model=tr.model, optimizer=tr.optimizer,
+            options=dataclasses.replace(tr.options, task_capacity=inp.counts)))
+        expected = state
+        for step in range(4):
+            batch = inp.get_batch(step)
+            expected, m_ref = ref(expected, batch, jax.random.key(1))
+            state, m = tr.train_step(state, batch, jax.random.key(1), task_counts=inp.counts)
+            assert bool(m["diagnostics_logged"]) == (step == 2)
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                         jax.device_get((state, m)), jax.device_get((expected, m_ref)))
+        assert sorted(log for *_, log in tr._compiled) == [False, True]
+        assert tr._step_mirror[0] is state.step and tr._step_mirror[1] == 4
+        # Blocks of 2 steps: (4, 5) holds logged step 5 (a cond), (6, 7) none.
+        batches = {k: np.stack([inp.get_batch(s)[k] for s in (4, 5)]) for k in batch}
+        state, m = tr.train_steps(state, batches, jax.random.key(1), task_counts=inp.counts)
+        assert [bool(x) for x in m["diagnostics_logged"]] == [False, True]
+        state, m = tr.train_steps(state, batches, jax.random.key(1), task_counts=inp.counts)
+        assert [bool(x) for x in m["diagnostics_logged"]] == [False, False]
+        assert {log for _, stacked, log in tr._compiled if stacked} == {False, None}
+        # A state this Trainer did not return (a restored one) is read once from the device.
+        other = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=balancer,
+                                    diagnostics_period=3, target_task=1)
+        other.init_state(jax.random.key(0), inp.get_batch(0))
+        _, m = other.train_step(state, inp.get_batch(8), jax.random.key(1), task_counts=inp.counts)
+        assert bool(m["diagnostics_logged"])  # step 8: (8 + 1) % 3 == 0
 
 
 def test_balanced_batch_not_grouped_as_its_counts_fails_before_the_step():

@@ -185,9 +185,11 @@ def _optimizer(name):
 
 def _bytes_accessed(tr, state, host_batch, counts):
     """XLA's estimate of the bytes the compiled step reads and writes (load-independent;
-    an in-place scatter counts its whole operand)."""
+    an in-place scatter counts its whole operand), for the step the timed loop runs: the
+    one without diagnostics (the Trainer picks it on the host on every other step)."""
     compiled = tr.lower_train_step(state, tr.global_batch(host_batch, counts),
-                                   jax.random.key(1), tr._capacity).compile()
+                                   jax.random.key(1), task_counts=counts,
+                                   log_diagnostics=False).compile()
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     return float(analysis["bytes accessed"])
