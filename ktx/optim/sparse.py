@@ -30,10 +30,12 @@ from ktx.optim.task_gradients import SparseRows
 __all__ = ["SparseLookups", "merge_duplicate_rows"]
 
 
-def merge_duplicate_rows(indices: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+def merge_duplicate_rows(indices: jax.Array, rows: jax.Array, num_rows: int
+                         ) -> tuple[jax.Array, jax.Array]:
     """Per task, sums rows with equal indices: `([T, n], [T, n, d]) -> same shapes`.
 
-    The merged rows come first (sorted by index); the rest are zero rows at index 0.
+    The merged rows come first (sorted by index); the rest are zero rows at index
+    `num_rows - 1`, so each task's indices stay sorted (`SparseRows.sorted_unique`).
     """
 
     def one(idx, r):
@@ -42,7 +44,7 @@ def merge_duplicate_rows(indices: jax.Array, rows: jax.Array) -> tuple[jax.Array
         first = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
         seg = jnp.cumsum(first) - 1
         merged = jax.ops.segment_sum(r[order], seg, num_segments=idx.shape[0])
-        uniq = jnp.zeros_like(idx).at[seg].set(s)
+        uniq = jnp.full_like(idx, num_rows - 1).at[seg].set(s)
         return uniq, merged
 
     return jax.vmap(one)(indices, rows)
@@ -161,8 +163,9 @@ class SparseLookups:
                     continue
                 idx = jnp.concatenate(idx_l, axis=1).astype(jnp.int32)
                 rows = jnp.concatenate(rows_l, axis=1)
-                idx, rows = merge_duplicate_rows(idx, rows)
-                out.append(SparseRows(idx, rows.astype(leaf.dtype), num_rows=leaf.shape[0]))
+                idx, rows = merge_duplicate_rows(idx, rows, leaf.shape[0])
+                out.append(SparseRows(idx, rows.astype(leaf.dtype), num_rows=leaf.shape[0],
+                                      sorted_unique=True))
             else:
                 out.append(next(it_d))
         return self.treedef.unflatten(out)

@@ -58,6 +58,10 @@ class SparseRows:
     indices: jax.Array  # int32 [T, n]
     rows: jax.Array  # [T, n, dim]
     num_rows: int = flax.struct.field(pytree_node=False)
+    # Each task's indices ascending, duplicates merged, free slots (zero rows) last at
+    # index num_rows - 1: what the engine builds (`ktx.optim.sparse`); `merge_rows` then
+    # has nothing left to do.
+    sorted_unique: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def num_tasks(self) -> int:
@@ -194,6 +198,8 @@ def merge_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
     table-sized array.
     """
     rows = x.rows.astype(jnp.float32)
+    if x.sorted_unique:  # already so (free slots at num_rows - 1: sorted too)
+        return x.indices, rows
     n = x.indices.shape[1]
 
     def one(idx, r):
