@@ -15,7 +15,9 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
   median balanced step time / median plain step time (min and median per config also
   reported; `trainer_path_ms.<model>.min_ratio`: min balanced / min plain, the figure
   least moved by other processes on a shared machine; `cpu_ratio`: the same median ratio of
-  this process's CPU time per step, which waiting for a core does not inflate; with
+  this process's CPU time per step, which waiting for a core does not inflate;
+  `paired_ratio`: the median over repeats of balanced / plain within one repeat, which a
+  drift of the machine's speed over the run does not move; with
   `--cost`, `bytes_ratio`: XLA's estimate of the bytes the compiled step accesses,
   balanced / plain, which no load moves). Goals: MetaBalance and the
   loss-weighting balancers <= 1.05x, PCGrad, MGDA and MTAdam <= 1.10x.
@@ -237,6 +239,11 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
         min_ratios[name] = round(min(times[name]) / min(times["plain"]), 3)
         out[f"{name}_ms"] = {"median": round(med * 1e3, 3), "min": round(min(times[name]) * 1e3, 3)}
     out["min_ratio"] = min_ratios
+    # Each repeat's balanced block against the same repeat's plain block, then the median:
+    # a drift of the machine's speed over the run (load, clocks) cancels within a repeat.
+    out["paired_ratio"] = {
+        name: round(statistics.median(b / p for b, p in zip(times[name], times["plain"])), 3)
+        for name in names}
     base_cpu = statistics.median(cpu["plain"])
     out["cpu_ratio"] = {name: round(statistics.median(cpu[name]) / base_cpu, 3) for name in names}
     out["plain_cpu_ms"] = round(base_cpu * 1e3, 3)
