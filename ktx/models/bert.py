@@ -131,7 +131,7 @@ class BertConfig:
     `attention_probs_dropout_prob` (0.1 in every BERT checkpoint). `dtype` is the
     activation dtype ("float32" or "bfloat16"); parameters stay float32. `remat_policy`
     rematerialises each layer of `BertEncoder` and `SharedTopLayers` as T5's does
-    (`ktx.models.t5_stack`: "none" | "minimal" | "full", same numbers), and the encoder
+    (`ktx.models.t5_stack`: "none" | "minimal" | "dots" | "full", same numbers), and the encoder
     methods' own layers (CA-MTL, PALs, TEA) alike. `scan_layers` runs the
     `num_layers` layers of `BertEncoder` as one `nn.scan` (parameters stacked on a leading
     `layers` axis under the root scope `layers`; `ktx.models.scan_layout` converts trees

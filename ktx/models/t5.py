@@ -139,7 +139,7 @@ class T5Config:
     files); T5.1.1 was pre-trained without dropout (0.0).
     `dtype` is the activation dtype ("float32" or "bfloat16"); parameters, attention
     logits, logits and the loss are float32.
-    `remat_policy` ("none" | "minimal" | "full") and `scan_layers` choose how the layer
+    `remat_policy` ("none" | "minimal" | "dots" | "full") and `scan_layers` choose how the layer
     stacks run (`ktx.models.t5_stack`); neither changes the numbers, `scan_layers` changes
     the parameter layout (`ktx.models.scan_layout` converts).
     `relative_attention_max_distance` must exceed `relative_attention_num_buckets // 2`,

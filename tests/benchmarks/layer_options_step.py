@@ -1,5 +1,5 @@
 """Train-step time on this machine of one T5.1.1 model under the giant-model layer options:
-unrolled vs scanned layers (`T5Config.scan_layers`) and remat 'none' / 'minimal' / 'full'
+unrolled vs scanned layers (`T5Config.scan_layers`) and remat 'none' / 'minimal' / 'dots' / 'full'
 (`T5Config.remat_policy`).
 
     python tests/benchmarks/layer_options_step.py [--model t5_1_1_small] [--steps 5]
@@ -39,7 +39,8 @@ SHAPES = {
     **T5_1_1_SHAPES,
 }
 VARIANTS = (("unrolled", "none"), ("scanned", "none"), ("unrolled", "minimal"),
-            ("unrolled", "full"), ("scanned", "minimal"), ("scanned", "full"))
+            ("unrolled", "dots"), ("unrolled", "full"), ("scanned", "minimal"),
+            ("scanned", "dots"), ("scanned", "full"))
 
 
 def _batch(step: int, batch_size: int, lengths: dict, vocab: int) -> dict:

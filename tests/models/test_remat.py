@@ -53,7 +53,7 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
 
 
-@pytest.mark.parametrize("policy", ["minimal", "full"])
+@pytest.mark.parametrize("policy", ["minimal", "dots", "full"])
 @pytest.mark.parametrize("conditioning", [None, "hyperprompt", "adapters"])
 def test_same_loss_and_gradients_as_none(policy, conditioning):
     cond = None if conditioning is None else ConditioningConfig(
@@ -133,7 +133,7 @@ def test_microbatched_step_matches():
 
 @pytest.mark.parametrize("bad", ["some", "None", None, 1])
 def test_bad_policy_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match=r"T5Config\.remat_policy=.*accepted: \('none', 'minimal', 'full'\)"):
+    with pytest.raises(ValueError, match=r"T5Config\.remat_policy=.*accepted: \('none', 'minimal', 'dots', 'full'\)"):
         t5.T5Config(remat_policy=bad)
 
 

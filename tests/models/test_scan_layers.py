@@ -85,7 +85,7 @@ def test_scanned_equals_unrolled():
     assert "layers_0" not in converted["decoder"]
 
 
-@pytest.mark.parametrize("remat", ["minimal", "full"])
+@pytest.mark.parametrize("remat", ["minimal", "dots", "full"])
 def test_scanned_with_remat_equals_unrolled(remat):
     _check_same(*_models(remat=remat))
 
