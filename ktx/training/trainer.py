@@ -753,7 +753,10 @@ class Trainer:
         mirror = self._step_mirror
         if mirror is not None and mirror[0] is state.step:
             return mirror[1]
-        return int(jax.device_get(state.step))
+        step = state.step
+        if isinstance(step, jax.Array) and not step.is_fully_addressable:
+            step = step.addressable_data(0)  # replicated: every process holds the value
+        return int(jax.device_get(step))
 
     def _run(self, state: TrainState, batch: Any, rng: jax.Array, task_counts: Any,
              steps: int | None) -> tuple[TrainState, dict[str, jax.Array]]:
