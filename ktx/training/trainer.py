@@ -400,15 +400,12 @@ def train_step(
             task_losses, aux, grads, balancer_state, diagnostics = step_out
         else:
             task_losses, aux, grads, balancer_state, per_task = per_task_step()
-            if options.diagnostics_period and static is not True:
-                zeros = _zeros_like_tree(jax.eval_shape(diagnostics_of, per_task, balancer_state))
             if static:
                 diagnostics = diagnostics_of(per_task, balancer_state)
-            elif static is None:
-                diagnostics = jax.lax.cond(
-                    logged, lambda: diagnostics_of(per_task, balancer_state), lambda: zeros)
             elif options.diagnostics_period:
-                diagnostics = zeros
+                zeros = _zeros_like_tree(jax.eval_shape(diagnostics_of, per_task, balancer_state))
+                diagnostics = zeros if static is False else jax.lax.cond(
+                    logged, lambda: diagnostics_of(per_task, balancer_state), lambda: zeros)
         grads, updates, opt_state = optimizer.apply_balanced(
             grads, balancer_state, state.opt_state, params)
     else:
@@ -723,11 +720,13 @@ class Trainer:
             return dict(batch)
         return partitioning.host_local_to_global(batch, self.mesh, batch_axis)
 
-    def _capacity_for(self, task_counts: Any) -> tuple[int, ...] | None:
+    def _capacity_for(self, task_counts: Any, log: bool | None = None) -> tuple[int, ...] | None:
         """Static per-task block sizes: the most rows each task has had so far (one count
         tuple, or one per batch of a `[K, B, ...]` block), rounded up to a multiple of the
         mesh's `data` axis. None when the step builds no task blocks (plain; the
-        loss-weighted shortcut without diagnostics): one compiled step for every count."""
+        loss-weighted shortcut without diagnostics, or in a step compiled without them,
+        `log` False): one compiled step for every count. The sizes are tracked on every
+        call, so a step with diagnostics gets the most rows seen."""
         if not self.optimizer.balanced or task_counts is None or not _task_blocks(self.options):
             return None
         if _weights_from_losses(self.optimizer, self.options) and not self.options.diagnostics_period:
@@ -745,6 +744,8 @@ class Trainer:
             self._capacity = counts
         else:
             self._capacity = tuple(max(a, b) for a, b in zip(self._capacity, counts))
+        if log is False and _weights_from_losses(self.optimizer, self.options):
+            return None
         return self._capacity
 
     def _host_step(self, state: TrainState) -> int:
@@ -774,9 +775,7 @@ class Trainer:
                 log = True if steps is None else None
             else:
                 log = False
-        capacity = self._capacity_for(task_counts)
-        if log is False and _weights_from_losses(self.optimizer, self.options):
-            capacity = None  # the loss-weighted shortcut builds no task blocks
+        capacity = self._capacity_for(task_counts, log)
         global_batch = self.global_batch(batch, task_counts, batch_axis=0 if steps is None else 1)
         with self._context():
             new_state, metrics = self._compiled_step(capacity, steps is not None, log)(
@@ -860,10 +859,9 @@ class Trainer:
         if task_counts is not None:
             if task_capacity is not None:
                 raise ValueError("lower_train_step: give task_counts or task_capacity, not both")
-            task_capacity = self._capacity_for(tuple(int(c) for c in task_counts))
+            task_capacity = self._capacity_for(tuple(int(c) for c in task_counts),
+                                               log_diagnostics)
         capacity = None if task_capacity is None else tuple(int(c) for c in task_capacity)
-        if log_diagnostics is False and _weights_from_losses(self.optimizer, self.options):
-            capacity = None  # as `_run`: the loss-weighted shortcut builds no task blocks
         with self._context():
             return self._compiled_step(capacity, False, log_diagnostics).lower(state, batch, rng)
 
