@@ -12,7 +12,13 @@ import pytest
 from ktx import cli, optim
 from ktx.training import optimizers
 from ktx.models import seq2seq, t5
-from ktx.training.precompile import TEST_CHILD_ENV, precompile, topology_devices
+from ktx.training.precompile import (
+    FIBER_STACK_BYTES,
+    TEST_CHILD_ENV,
+    libtpu_init_args,
+    precompile,
+    topology_devices,
+)
 from tests.tiny_t5_gin import tiny_t5_gin
 
 
@@ -105,6 +111,18 @@ def test_cli_precompile_needs_a_topology(tmp_path, capsys):
     model.write_text(tiny_t5_gin(), encoding="utf-8")
     assert cli.main(["precompile", "--gin_file=runs/train.gin", f"--gin_file={model}"]) == 2
     assert "--topology" in capsys.readouterr().err
+
+
+def test_libtpu_init_args_raise_the_compilers_fiber_stacks_and_keep_a_users_value():
+    # libtpu's convolution emitter overflowed its default fiber stacks on XL/XXL steps
+    # (SIGSEGV); precompile gives the compiler 64 MiB stacks unless the user set a size.
+    flag = f"--fibers_default_thread_stack_size={FIBER_STACK_BYTES}"
+    assert libtpu_init_args("") == flag
+    assert libtpu_init_args("--xla_tpu_foo=1") == f"--xla_tpu_foo=1 {flag}"
+    mine = "--xla_tpu_foo=1 --fibers_default_thread_stack_size=1048576"
+    assert libtpu_init_args(mine) == mine
+    assert libtpu_init_args(libtpu_init_args("")) == flag  # idempotent
+    assert FIBER_STACK_BYTES == 64 * 2**20
 
 
 def _tpu_available():

@@ -40,7 +40,7 @@ from ktx.training.trainer import Trainer
 
 __all__ = [
     "CHIPS", "CompileDiedError", "DoesNotFitError", "PrecompileReport", "TEST_CHILD_ENV", "precompile",
-    "precompile_in_child", "topology_devices",
+    "libtpu_init_args", "precompile_in_child", "topology_devices",
 ]
 
 
@@ -162,6 +162,7 @@ def topology_devices(topology: str) -> list[Any]:
     # does not apply: without this, a compile in a child process (`precompile_in_child`)
     # of a process that has loaded libtpu fails ("libtpu multi-process lockfile").
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args(os.environ.get("LIBTPU_INIT_ARGS", ""))
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown topology
@@ -171,6 +172,26 @@ def topology_devices(topology: str) -> list[Any]:
             "need libtpu: pip install 'ktx[tpu]' (or jax[tpu] at the pinned jax version)"
         ) from e
     return list(desc.devices)
+
+
+# libtpu's TPU compiler runs its work units on fibers, whose stacks are small by default;
+# its convolution emitter's cost model recurses (`FusedSpatialMajorConvolution::
+# MakeConvWindows` <- `CalculateClassicConvWindowsCost` <- `EstimateFusionCost` <- ..., frames
+# of 9-18 KB) deep enough on T5.1.1 XL/XXL steps to overflow one: a SIGSEGV "stack
+# overflow" in the compiler (libtpu 0.0.42.1; XL plain on v4-32 8 x 4 crashed 3 of 3 tries
+# with the default and compiled with 64 MiB fiber stacks). The stacks are mapped, not
+# committed: only the pages a fiber touches cost memory.
+FIBER_STACK_FLAG = "--fibers_default_thread_stack_size"
+FIBER_STACK_BYTES = 64 << 20
+
+
+def libtpu_init_args(current: str) -> str:
+    """`LIBTPU_INIT_ARGS` for an ahead-of-time compile: `current` with libtpu's fiber
+    stacks raised to `FIBER_STACK_BYTES`, unless `current` already sets their size (a
+    user's value is kept)."""
+    if any(arg.split("=", 1)[0] == FIBER_STACK_FLAG for arg in current.split()):
+        return current
+    return f"{current} {FIBER_STACK_FLAG}={FIBER_STACK_BYTES}".strip()
 
 
 def _num_chips(topology: str) -> int | None:
