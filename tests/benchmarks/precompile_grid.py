@@ -17,9 +17,10 @@ Each configuration prints one JSON line: its command, `status` ("fits", "does no
 (--stop_at)"), the per-device memory (GiB), XLA's figure when it refused the compile,
 FLOPs per step and device, the predicted step time at the chip's peak, and the seconds
 (`compile_seconds`: tracing + lowering + XLA in the child; `wall_seconds`: the whole
-command). libtpu's compiler has crashed (SIGSEGV, a stack overflow) on a configuration
-that compiled at the next try, so a crashed configuration is compiled again, `--retries`
-times (the crashes are kept in `earlier_crashes`). The last line is a JSON summary (every configuration's status; per slice the
+command). libtpu's compiler crashed (SIGSEGV, a fiber's stack overflowing) on some
+configurations before `ktx precompile` raised its fiber stacks (docs/scale.md); a crashed
+configuration is still compiled again, `--retries` times (the crashes are kept in
+`earlier_crashes`). The last line is a JSON summary (every configuration's status; per slice the
 fitting configurations and the one with the least memory).
 
 Memory is taken as monotone in the remat policy (none >= minimal >= full), so unless
