@@ -135,8 +135,9 @@ class BertConfig:
     methods' own layers (CA-MTL, PALs, TEA) alike. `scan_layers` runs the
     `num_layers` layers of `BertEncoder` as one `nn.scan` (parameters stacked on a leading
     `layers` axis under the root scope `layers`; `ktx.models.scan_layout` converts trees
-    between the layouts), as `T5Config.scan_layers`; the methods with their own layers
-    (CA-MTL, PALs, TEA) refuse it.
+    between the layouts), as `T5Config.scan_layers`; PALs and TEA-BERT scan too (their
+    per-layer tables stacked under `conditioning/layers`), CA-MTL, whose layers differ,
+    refuses it.
     """
 
     vocab_size: int = 30522
@@ -433,11 +434,14 @@ class SharedTopLayers(nn.Module):
 
 
 def refuse_scan_layers(owner: str, config: BertConfig) -> None:
-    """ValueError for a method with its own layer modules given `scan_layers=True`."""
+    """ValueError for a method whose layers differ from one another (CA-MTL) given
+    `scan_layers=True`."""
     if config.scan_layers:
         raise ValueError(
-            f"{owner}: BertConfig.scan_layers=True (gin macro SCAN_LAYERS) scans plain BERT "
-            "layers only; this method's layers are its own modules: set SCAN_LAYERS = False")
+            f"{owner}: BertConfig.scan_layers=True (gin macro SCAN_LAYERS) runs one layer "
+            "definition on every layer, and this method's layers differ from one another "
+            "(plain and conditional layer norms, an adapter or a bottleneck chain on some): "
+            "set SCAN_LAYERS = False")
 
 
 def check_shared_layers(owner: str, value: Any) -> int:

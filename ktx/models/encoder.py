@@ -346,6 +346,12 @@ class EncoderClassifierModel(BaseModel):
             self.frozen_patterns = frozen_layer_patterns(config.num_layers, frozen_layers)
         except ValueError as e:
             raise ValueError(f"{type(self).__name__}.{e}") from e
+        if self.frozen_patterns and config.scan_layers:
+            raise ValueError(
+                f"{type(self).__name__}.frozen_layers={frozen_layers!r} with "
+                "BertConfig.scan_layers=True (gin macro SCAN_LAYERS): a scanned stack holds "
+                "every layer in one stacked parameter, which trains or freezes as a whole; "
+                "accepted: FROZEN_LAYERS = 0, or SCAN_LAYERS = False to freeze bottom layers")
         self.frozen_layers = frozen_layers
         self.pooling = bert.check_pooling(type(self).__name__, pooling)
         self.head_kinds = check_head_kinds(type(self).__name__, head_kinds, self.num_tasks)

@@ -31,6 +31,10 @@ task-conditioned by `ktx params`), replicated over the mesh (axes `tasks`,
     conditioning/layers_l/{query,key,value}/kernel [T, A, n, A/n]       MHA_t^l
     conditioning/layers_l/{query,key,value}/bias   [T, n, A/n]
 
+With `BertConfig.scan_layers` the BERT layers are one `nn.scan` (`layers/...`) and the
+per-layer tables are stacked with them, `conditioning/layers/{query,key,value}/...`
+`[N, T, ...]` (`ScannedConditionedLayer`, `PalsLayerHook`; every layer must have a PAL).
+
 `ktx.convert.pals.read_pals` loads the authors' checkpoint into this layout; the test
 `tests/models/test_pals.py` reproduces their outputs (fixture `pals/`).
 
@@ -64,6 +68,7 @@ from ktx.partitioning import (
     BATCH,
     EMBED,
     HYPER_BOTTLENECK,
+    LAYERS,
     LENGTH,
     MLP,
     TASKS,
@@ -71,14 +76,19 @@ from ktx.partitioning import (
 
 __all__ = [
     "LayerHooks",
+    "task_dense",
     "TaskDense",
     "TaskBertEmbeddings",
+    "ScannedConditionedLayer",
     "ConditionedBertClassifier",
     "TaskConditionedClassifierModel",
+    "projected_attention",
     "ProjectedSelfAttention",
+    "PalsLayerHook",
     "Pals",
     "PalsClassifierModel",
     "check_layers",
+    "check_every_layer_when_scanned",
 ]
 
 Array = jax.Array
@@ -98,31 +108,55 @@ class LayerHooks(NamedTuple):
     residual: Array | None = None
 
 
+def task_dense(x: Array, kernel: Array, bias: Array, task_id: Array, dtype: Any) -> Array:
+    """`x [B, L, I]` through each row's own task's dense layer: `kernel [T, I, *features]`,
+    `bias [T, *features]`, `task_id [B]` -> `[B, L, *features]`, computed in `dtype`."""
+    features = kernel.shape[2:]
+    n_out = math.prod(features)
+    k = gather_by_task(kernel, task_id).reshape(task_id.shape[0], x.shape[-1], n_out)
+    b = gather_by_task(bias, task_id).reshape(task_id.shape[0], 1, n_out)
+    y = jnp.einsum("bli,bio->blo", jnp.asarray(x, dtype), jnp.asarray(k, dtype))
+    y = y + jnp.asarray(b, dtype)
+    return y.reshape(*x.shape[:-1], *features)
+
+
 class TaskDense(nn.Module):
     """One dense layer per task, picked per row: `x [B, L, I]`, `task_id [B]` ->
-    `[B, L, *features]`. Kernel `[T, I, *features]` (axes `(tasks, *kernel_axes)`), bias
-    `[T, *features]` (`(tasks, *bias_axes)`), float32; computed in `dtype`."""
+    `[B, L, *features]` (`task_dense`). Kernel `[T, I, *features]` (axes
+    `(tasks, *kernel_axes)`), bias `[T, *features]` (`(tasks, *bias_axes)`), float32;
+    computed in `dtype`. `tables()` returns `(kernel, bias)`.
+
+    With `num_layers` set, one such layer per layer of a scanned stack: kernel
+    `[N, T, I, *features]`, bias `[N, T, *features]` (leading axis `layers`); only
+    `tables()` then (the scan's body applies each layer's slice with `task_dense`)."""
 
     num_tasks: int
+    in_features: int
     features: tuple[int, ...]
     kernel_axes: tuple[str | None, ...]
     bias_axes: tuple[str | None, ...]
     dtype: Any = jnp.float32
+    num_layers: int | None = None
 
-    @nn.compact
-    def __call__(self, x: Array, task_id: Array) -> Array:
+    def setup(self):
         features = tuple(self.features)
-        n_out = math.prod(features)
-        kernel = self.param("kernel", nn.with_logical_partitioning(_init, (TASKS, *self.kernel_axes)),
-                            (self.num_tasks, x.shape[-1], *features), jnp.float32)
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                               (TASKS, *self.bias_axes)),
-                          (self.num_tasks, *features), jnp.float32)
-        k = gather_by_task(kernel, task_id).reshape(task_id.shape[0], x.shape[-1], n_out)
-        b = gather_by_task(bias, task_id).reshape(task_id.shape[0], 1, n_out)
-        y = jnp.einsum("bli,bio->blo", jnp.asarray(x, self.dtype), jnp.asarray(k, self.dtype))
-        y = y + jnp.asarray(b, self.dtype)
-        return y.reshape(*x.shape[:-1], *features)
+        lead, axes = ((), ()) if self.num_layers is None else ((self.num_layers,), (LAYERS,))
+        self.kernel = self.param(
+            "kernel", nn.with_logical_partitioning(_init, (*axes, TASKS, *self.kernel_axes)),
+            (*lead, self.num_tasks, self.in_features, *features), jnp.float32)
+        self.bias = self.param(
+            "bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                 (*axes, TASKS, *self.bias_axes)),
+            (*lead, self.num_tasks, *features), jnp.float32)
+
+    def tables(self) -> tuple[Array, Array]:
+        return self.kernel, self.bias
+
+    def __call__(self, x: Array, task_id: Array) -> Array:
+        if self.num_layers is not None:
+            raise ValueError("TaskDense(num_layers=...) holds a scanned stack's tables; apply "
+                             "each layer's slice with task_dense")
+        return task_dense(x, self.kernel, self.bias, task_id, self.dtype)
 
 
 class TaskBertEmbeddings(bert.BertEmbeddings):
@@ -145,12 +179,46 @@ class TaskBertEmbeddings(bert.BertEmbeddings):
         return self.dropout(self.layer_norm(x), deterministic=deterministic)
 
 
+class ScannedConditionedLayer(nn.Module):
+    """The body of a scanned conditioned stack: `bert.BertLayer` (its parameters in this
+    module's own scope, so the stack's are `layers/...` as `bert.BertEncoder`'s) given
+    the hooks that `hook` (a parameter-free module, None: none) computes from the layer's
+    input and its slice of the conditioning's tables. Returns `(x, x)`: the carry and
+    the layer's output, which the scan stacks."""
+
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+    hook: nn.Module | None = None
+
+    def setup(self):
+        self.layer = bert.BertLayer(self.num_heads, self.head_dim, self.intermediate_size,
+                                    self.hidden_act, self.layer_norm_eps, self.dropout_rate,
+                                    self.attention_dropout_rate, self.dtype)
+        nn.share_scope(self, self.layer)
+
+    def __call__(self, x: Array, mask: Array, deterministic: bool, task_id: Array,
+                 shared: Any, per_layer: Any) -> tuple[Array, Array]:
+        hooks = (LayerHooks() if self.hook is None else
+                 self.hook(x, mask, task_id, shared, per_layer, deterministic))
+        x = self.layer(x, mask, deterministic, qkv=hooks.qkv, residual=hooks.residual)
+        return x, x
+
+
 class ConditionedBertClassifier(nn.Module):
     """`encoder.BertClassifier` whose rows are conditioned by their `task_id`.
 
     `conditioning` (scope `conditioning`; None = plain BERT) provides
     `input_offset(task_id) -> [B, E] | None` (added to the input embeddings) and
-    `layer_hooks(index, x, mask, task_id, deterministic) -> LayerHooks`.
+    `layer_hooks(index, x, mask, task_id, deterministic) -> LayerHooks`; with
+    `BertConfig.scan_layers`, `scan_inputs(task_id) -> (shared, per_layer [N, ...])` and
+    `layer_hook_module()` instead, which the scanned stack (`ScannedConditionedLayer`,
+    scope `layers`) applies layer by layer.
 
     `__call__(input_ids, token_type_ids, attention_mask, task_id, *, deterministic)` ->
     a tuple of `T` float32 logits `[B, n_t]` (`[B, L, n_t]` for a tagging head, on every
@@ -172,14 +240,21 @@ class ConditionedBertClassifier(nn.Module):
         self.embeddings = TaskBertEmbeddings(
             c.vocab_size, c.hidden_size, c.max_position, c.type_vocab_size, c.layer_norm_eps,
             c.dropout_rate, dtype)
-        # BertLayer.__call__'s `deterministic` is argument 3 (self = 0); hooks as keywords.
-        layer_cls = layer_class(bert.BertLayer, c.remat_policy, (3,), scanned=False)
-        self.layers = [
-            layer_cls(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
-                      c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
-                      name=f"layers_{i}")
-            for i in range(c.num_layers)
-        ]
+        fields = (c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+                  c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype)
+        # `deterministic` is argument 3 of both layers' __call__ (self = 0); hooks as keywords.
+        if c.scan_layers:
+            body = layer_class(ScannedConditionedLayer, c.remat_policy, (3,), scanned=True)
+            hook = None if self.conditioning is None else self.conditioning.layer_hook_module()
+            self.layers = nn.scan(
+                body, variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast,) * 4 + (0,), length=c.num_layers,
+                metadata_params={nn.PARTITION_NAME: LAYERS},
+            )(*fields, hook=hook, name="layers")
+        else:
+            layer_cls = layer_class(bert.BertLayer, c.remat_policy, (3,), scanned=False)
+            self.layers = [layer_cls(*fields, name=f"layers_{i}") for i in range(c.num_layers)]
         self.pooler = bert.DenseGeneral((c.hidden_size,), (EMBED, MLP), (MLP,), dtype=dtype)
         self.head_dropout = nn.Dropout(self.classifier_dropout)
         self.task_heads = encoder.TaskHeads(tuple(self.num_labels), dtype, self.head_kinds)
@@ -217,11 +292,16 @@ class ConditionedBertClassifier(nn.Module):
         x = bert.add_perturbation(self.embeddings(input_ids, token_type_ids, deterministic, offset),
                                   embedding_perturbation)
         outputs = []
-        for i, layer in enumerate(self.layers):
-            hooks = LayerHooks() if cond is None else cond.layer_hooks(i, x, mask, task_id,
-                                                                       deterministic)
-            x = layer(x, mask, deterministic, qkv=hooks.qkv, residual=hooks.residual)
-            outputs.append(x)
+        if self.config.scan_layers:
+            shared, per_layer = (None, None) if cond is None else cond.scan_inputs(task_id)
+            x, stacked = self.layers(x, mask, deterministic, task_id, shared, per_layer)
+            outputs = [stacked[i] for i in range(self.config.num_layers)]
+        else:
+            for i, layer in enumerate(self.layers):
+                hooks = LayerHooks() if cond is None else cond.layer_hooks(i, x, mask, task_id,
+                                                                           deterministic)
+                x = layer(x, mask, deterministic, qkv=hooks.qkv, residual=hooks.residual)
+                outputs.append(x)
         if self.shared_layers is not None:
             x = self.shared_layers(x, mask, deterministic)
         pool = encoder.needs_pooling(self.head_kinds)
@@ -251,7 +331,6 @@ class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
                          loss_normalization=loss_normalization, shared_layers=shared_layers,
                          frozen_layers=frozen_layers, pooling=pooling, head_kinds=head_kinds,
                          cosine_scale=cosine_scale)
-        bert.refuse_scan_layers(type(self).__name__, self.config)
         self.module = ConditionedBertClassifier(
             config=self.config, num_labels=self.num_labels,
             classifier_dropout=self.classifier_dropout, conditioning=self._conditioning(),
@@ -283,37 +362,77 @@ class TaskConditionedClassifierModel(encoder.EncoderClassifierModel):
                                  method=ConditionedBertClassifier.encode)
 
 
+def projected_attention(q: Array, k: Array, v: Array, mask: Array, dropout: nn.Module,
+                        deterministic: bool, dtype: Any) -> Array:
+    """Multi-head self-attention without an output projection (a PAL's `MHA`): `q`, `k`,
+    `v` `[B, L, n, A/n]`, key mask `[B, L]` -> `[B, L, A]` (heads concatenated). Scores
+    and softmax in float32; `dropout` (an `nn.Dropout`) on the probabilities."""
+    head_dim = q.shape[-1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", jnp.asarray(q, jnp.float32),
+                        jnp.asarray(k, jnp.float32)) / math.sqrt(head_dim)
+    scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = dropout(probs, deterministic=deterministic)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, dtype), v)
+    return out.reshape(*q.shape[:-2], -1)
+
+
 class ProjectedSelfAttention(nn.Module):
-    """Per-task multi-head self-attention in the projected space without an output
-    projection (a PAL's `MHA`): `x [B, L, A]`, key mask `[B, L]`, `task_id [B]` ->
-    `[B, L, A]` (heads concatenated). Scores and softmax in float32."""
+    """The per-task query / key / value tables of a PAL's attention (`MHA_t^l`), width
+    `A`, `num_heads` heads: `__call__()` -> `{"query" | "key" | "value": (kernel
+    [T, A, n, A/n], bias [T, n, A/n])}`; with `num_layers`, every layer's stacked on a
+    leading `layers` axis (a scanned stack's)."""
 
     num_tasks: int
+    width: int
     num_heads: int
-    dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+    num_layers: int | None = None
+
+    def setup(self):
+        dense = lambda: TaskDense(self.num_tasks, self.width,  # noqa: E731
+                                  (self.num_heads, self.width // self.num_heads),
+                                  (HYPER_BOTTLENECK, None, None), (None, None), self.dtype,
+                                  self.num_layers)
+        self.query, self.key, self.value = dense(), dense(), dense()
+
+    def __call__(self) -> dict[str, tuple[Array, Array]]:
+        return {"query": self.query.tables(), "key": self.key.tables(),
+                "value": self.value.tables()}
+
+
+class PalsLayerHook(nn.Module):
+    """One layer's PAL from its tables (no parameters of its own, so a scanned stack's
+    body can hold it): `x [B, L, E]`, key mask, `task_id [B]`, `shared = (V_E, V_D)` (each
+    `(kernel, bias)`), `per_layer` (`ProjectedSelfAttention()`'s tables) ->
+    `LayerHooks(residual=GELU(V_D MHA(V_E x)))`."""
+
+    num_heads: int
+    attention_dropout_rate: float = 0.0
     dtype: Any = jnp.float32
 
-    @nn.compact
-    def __call__(self, x: Array, mask: Array, task_id: Array, deterministic: bool) -> Array:
-        width = x.shape[-1]
-        head_dim = width // self.num_heads
-        q, k, v = (TaskDense(self.num_tasks, (self.num_heads, head_dim),
-                             (HYPER_BOTTLENECK, None, None), (None, None), self.dtype,
-                             name=name)(x, task_id)
+    def setup(self):
+        self.dropout = nn.Dropout(self.attention_dropout_rate)
+
+    def __call__(self, x: Array, mask: Array, task_id: Array, shared: Any, per_layer: Any,
+                 deterministic: bool) -> LayerHooks:
+        (down_k, down_b), (up_k, up_b) = shared
+        z = task_dense(x, down_k, down_b, task_id, self.dtype)
+        q, k, v = (task_dense(z, *per_layer[name], task_id, self.dtype)
                    for name in ("query", "key", "value"))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", jnp.asarray(q, jnp.float32),
-                            jnp.asarray(k, jnp.float32)) / math.sqrt(head_dim)
-        scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, self.dtype), v)
-        return out.reshape(*x.shape)
+        z = projected_attention(q, k, v, mask, self.dropout, deterministic, self.dtype)
+        up = task_dense(z, up_k, up_b, task_id, self.dtype)
+        return LayerHooks(residual=bert.HIDDEN_ACTS["gelu"](up))
 
 
 class Pals(nn.Module):
     """The PALs of every task (scope `conditioning`): `layer_hooks(l, h, mask, task_id,
     deterministic)` puts `GELU(V_D MHA^l(V_E h))` `[B, L, E]` in the feed-forward
-    residual of layer `l` (when in `layers`), each row with its own task's weights."""
+    residual of layer `l` (when in `layers`), each row with its own task's weights.
+
+    `scanned`: the per-layer attentions' tables are stacked (`conditioning/layers/...`,
+    `[N, T, ...]`) for a scanned stack, whose body applies `layer_hook_module()` to
+    `scan_inputs(task_id)`; `layers` must then be every layer."""
 
     num_tasks: int
     hidden_size: int
@@ -322,26 +441,41 @@ class Pals(nn.Module):
     layers: tuple[int, ...] = ()
     attention_dropout_rate: float = 0.0
     dtype: Any = jnp.float32
+    scanned: bool = False
 
     def setup(self):
-        t = self.num_tasks
-        self.down = TaskDense(t, (self.pals_size,), (EMBED, HYPER_BOTTLENECK), (HYPER_BOTTLENECK,),
-                              self.dtype)
-        self.up = TaskDense(t, (self.hidden_size,), (HYPER_BOTTLENECK, EMBED), (EMBED,), self.dtype)
-        self.attention = [ProjectedSelfAttention(t, self.num_heads, self.attention_dropout_rate,
-                                                 self.dtype, name=f"layers_{i}")
-                          for i in self.layers]
+        t, width = self.num_tasks, self.pals_size
+        self.down = TaskDense(t, self.hidden_size, (width,), (EMBED, HYPER_BOTTLENECK),
+                              (HYPER_BOTTLENECK,), self.dtype)
+        self.up = TaskDense(t, width, (self.hidden_size,), (HYPER_BOTTLENECK, EMBED), (EMBED,),
+                            self.dtype)
+        if self.scanned:
+            self.stack = ProjectedSelfAttention(t, width, self.num_heads, self.dtype,
+                                                len(self.layers), name="layers")
+        else:
+            self.attention = [ProjectedSelfAttention(t, width, self.num_heads, self.dtype,
+                                                     name=f"layers_{i}") for i in self.layers]
+        self.hook = self.layer_hook_module()
+
+    @nn.nowrap
+    def layer_hook_module(self) -> PalsLayerHook:
+        return PalsLayerHook(self.num_heads, self.attention_dropout_rate, self.dtype, parent=None)
 
     def input_offset(self, task_id: Array) -> None:
         return None
+
+    def scan_inputs(self, task_id: Array) -> tuple[Any, Any]:
+        """`(shared, per_layer)` of a scanned stack: V_E and V_D for every layer, and the
+        attentions' tables stacked `[N, ...]`, sliced per layer by the scan."""
+        return (self.down.tables(), self.up.tables()), self.stack()
 
     def layer_hooks(self, index: int, x: Array, mask: Array, task_id: Array,
                     deterministic: bool) -> LayerHooks:
         if index not in self.layers:
             return LayerHooks()
-        z = self.down(x, task_id)
-        z = self.attention[self.layers.index(index)](z, mask, task_id, deterministic)
-        return LayerHooks(residual=bert.HIDDEN_ACTS["gelu"](self.up(z, task_id)))
+        per_layer = self.attention[self.layers.index(index)]()
+        return self.hook(x, mask, task_id, (self.down.tables(), self.up.tables()), per_layer,
+                         deterministic)
 
 
 def _check_int(owner: str, name: str, value: Any, low: int = 1) -> None:
@@ -361,6 +495,17 @@ def check_layers(owner: str, name: str, layers: Sequence[int] | None,
         raise ValueError(f"{owner}.{name}={layers!r}; accepted: None (every layer) or distinct "
                          f"layer indices in [0, {num_layers})")
     return tuple(sorted(layers))
+
+
+def check_every_layer_when_scanned(owner: str, name: str, layers: tuple[int, ...],
+                                   config: bert.BertConfig) -> None:
+    """A scanned stack runs one layer definition `num_layers` times, so a method's
+    per-layer modules must be on every layer; ValueError naming `owner.name` otherwise."""
+    if config.scan_layers and layers != tuple(range(config.num_layers)):
+        raise ValueError(
+            f"{owner}.{name}={layers} with BertConfig.scan_layers=True (gin macro SCAN_LAYERS): "
+            "a scanned stack runs one layer definition on every layer; accepted: None (every "
+            "layer), or SCAN_LAYERS = False for a subset")
 
 
 class PalsClassifierModel(TaskConditionedClassifierModel):
@@ -398,8 +543,10 @@ class PalsClassifierModel(TaskConditionedClassifierModel):
         c = self.config
         self.pal_layers = check_layers("PalsClassifierModel", "pal_layers", self._pal_layers,
                                        c.num_layers)
+        check_every_layer_when_scanned("PalsClassifierModel", "pal_layers", self.pal_layers, c)
         return Pals(self.num_tasks, c.hidden_size, self.pals_size, self.pals_heads,
-                    self.pal_layers, c.attention_dropout_rate, c.activation_dtype)
+                    self.pal_layers, c.attention_dropout_rate, c.activation_dtype,
+                    scanned=c.scan_layers)
 
     def __repr__(self) -> str:
         return (f"PalsClassifierModel(config={self.config}, num_labels={self.num_labels}, "

@@ -7,8 +7,10 @@ layer axis, `encoder/layers/attention/query/kernel` `[L, E, H, D]`. The same hol
 decoder and for any other per-layer variable (the decode cache). Everything else (the
 embedding, the final norms, the relative position biases, `conditioning/`) is the same in
 both layouts. A BERT encoder (`BertConfig.scan_layers`) keeps its stack at the root:
-`layers_3/attention/query/kernel` <-> `layers/attention/query/kernel` (only there: a
-method's `conditioning/layers_<i>` or `shared_layers/layers_<i>` are not its stack).
+`layers_3/attention/query/kernel` <-> `layers/attention/query/kernel`, and an encoder
+method's per-layer tables with it (PALs, TEA-BERT: `conditioning/layers_3/...` <->
+`conditioning/layers/...`, stacked the same way); `shared_layers/layers_<i>` (extra top
+layers, never scanned) are not a stack.
 
 `convert_layout(tree, scanned=...)` is the one conversion, both ways: checkpoint import
 and export and restoring a checkpoint of one layout into a model of the other call it.
@@ -30,9 +32,10 @@ from ktx.treepath import flatten, unflatten
 __all__ = ["SIDES", "convert_layout", "is_scanned", "layout_mismatch", "num_layers"]
 
 SIDES = ("encoder", "decoder")
-# (prefix, side) is ("...", "encoder" | "decoder") for T5's stacks, ("", "") for BERT's.
-_UNROLLED = re.compile(r"^(?:((?:.*/)?)(encoder|decoder)/)?layers_(\d+)/(.+)$")
-_SCANNED = re.compile(r"^(?:((?:.*/)?)(encoder|decoder)/)?layers/(.+)$")
+# (prefix, side) is ("...", "encoder" | "decoder") for T5's stacks, ("", "") for BERT's,
+# ("", "conditioning") for an encoder method's per-layer tables.
+_UNROLLED = re.compile(r"^(?:((?:.*/)?)(encoder|decoder|conditioning)/)?layers_(\d+)/(.+)$")
+_SCANNED = re.compile(r"^(?:((?:.*/)?)(encoder|decoder|conditioning)/)?layers/(.+)$")
 
 
 def _where(m: re.Match) -> tuple[str, str]:

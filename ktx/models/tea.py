@@ -30,6 +30,10 @@ by `ktx params`:
     projected(_act): conditioning/task_embedding/embedding   [T, d]      init N(0, 1)
                     conditioning/layers_l/kernel             [d, 3, H, D] init N(0, 0.02^2)
 
+With `BertConfig.scan_layers` the per-layer tables are stacked on a leading `layers` axis,
+`conditioning/layers/{embedding,kernel}` (`pals.ScannedConditionedLayer` applies
+`TeaLayerHook` to each layer's slice; every layer must then be task-specific).
+
 BERT-Base, 12 task-specific layers, per task: `input` 768, `qkv` 27,648 (0.025% of
 BERT-Base, the paper's figure), `projected` `d` (+ 12 x 3 x 768 x `d` shared).
 """
@@ -37,6 +41,7 @@ BERT-Base, the paper's figure), `projected` `d` (+ 12 x 3 x 768 x `d` shared).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -44,11 +49,16 @@ import jax.numpy as jnp
 
 from ktx.conditioning.task_embedding import TaskEmbedding, gather_by_task
 from ktx.models import bert
-from ktx.models.pals import LayerHooks, TaskConditionedClassifierModel, check_layers
-from ktx.partitioning import TASK_EMBED, TASKS
+from ktx.models.pals import (
+    LayerHooks,
+    TaskConditionedClassifierModel,
+    check_every_layer_when_scanned,
+    check_layers,
+)
+from ktx.partitioning import LAYERS, TASK_EMBED, TASKS
 
-__all__ = ["INJECTIONS", "TEA_ACTIVATIONS", "TaskQkv", "QkvProjection", "TeaConditioning",
-           "TeaClassifierModel"]
+__all__ = ["INJECTIONS", "TEA_ACTIVATIONS", "TaskQkv", "QkvProjection", "TeaLayerHook",
+           "TeaConditioning", "TeaClassifierModel"]
 
 INJECTIONS = ("input", "qkv", "projected", "projected_act")
 TEA_ACTIVATIONS = {
@@ -62,36 +72,65 @@ _init = nn.initializers.normal(stddev=0.02)
 
 class TaskQkv(nn.Module):
     """A `[T, 3, H, D]` table of per-task query / key / value vectors; `__call__()`
-    returns it."""
+    returns it (`[N, T, 3, H, D]`, leading axis `layers`, with `num_layers`: a scanned
+    stack's)."""
 
     num_tasks: int
     num_heads: int
     head_dim: int
+    num_layers: int | None = None
 
     @nn.compact
     def __call__(self) -> Array:
-        return self.param("embedding", nn.with_logical_partitioning(_init, (TASKS, None, None, None)),
-                          (self.num_tasks, 3, self.num_heads, self.head_dim), jnp.float32)
+        lead, axes = ((), ()) if self.num_layers is None else ((self.num_layers,), (LAYERS,))
+        return self.param("embedding",
+                          nn.with_logical_partitioning(_init, (*axes, TASKS, None, None, None)),
+                          (*lead, self.num_tasks, 3, self.num_heads, self.head_dim), jnp.float32)
 
 
 class QkvProjection(nn.Module):
-    """Bias-free projection `[..., d] -> [..., 3, H, D]` (kernel `[d, 3, H, D]`)."""
+    """The bias-free projection kernel `[d, 3, H, D]` of `projected*` (`__call__()`
+    returns it; `[N, d, 3, H, D]`, leading axis `layers`, with `num_layers`)."""
 
+    features: int
     num_heads: int
     head_dim: int
+    num_layers: int | None = None
 
     @nn.compact
-    def __call__(self, z: Array) -> Array:
-        kernel = self.param(
-            "kernel", nn.with_logical_partitioning(_init, (TASK_EMBED, None, None, None)),
-            (z.shape[-1], 3, self.num_heads, self.head_dim), jnp.float32)
-        return jnp.einsum("...d,dkhe->...khe", z, kernel)
+    def __call__(self) -> Array:
+        lead, axes = ((), ()) if self.num_layers is None else ((self.num_layers,), (LAYERS,))
+        return self.param(
+            "kernel", nn.with_logical_partitioning(_init, (*axes, TASK_EMBED, None, None, None)),
+            (*lead, self.features, 3, self.num_heads, self.head_dim), jnp.float32)
+
+
+class TeaLayerHook(nn.Module):
+    """One layer's task Q/K/V from its tables (no parameters, so a scanned stack's body
+    can hold it): `per_layer` is the layer's `[T, 3, H, D]` table (`qkv`) or projection
+    kernel `[d, 3, H, D]` applied to `shared`, the task embeddings `[T, d]`
+    (`projected*`); -> `LayerHooks(qkv=[B, 3, H, D])`, each row its task's."""
+
+    injection: str = "qkv"
+    activation: str = "tanh"
+
+    def __call__(self, x: Array, mask: Array, task_id: Array, shared: Any, per_layer: Array,
+                 deterministic: bool) -> LayerHooks:
+        if self.injection == "qkv":
+            per_task = per_layer
+        else:
+            per_task = jnp.einsum("td,dkhe->tkhe", shared, per_layer)
+            if self.injection == "projected_act":
+                per_task = TEA_ACTIVATIONS[self.activation](per_task)
+        return LayerHooks(qkv=gather_by_task(per_task, task_id))
 
 
 class TeaConditioning(nn.Module):
     """TEA-BERT's task embeddings (scope `conditioning`): `input_offset(task_id)` `[B, E]`
     and `layer_hooks(l, ...)` `LayerHooks(qkv=[B, 3, H, D])` per the `injection`, each
-    computed once per task and gathered per row."""
+    computed once per task and gathered per row. `scanned`: the per-layer tables are
+    stacked (`conditioning/layers/...`) for a scanned stack (`scan_inputs`,
+    `layer_hook_module`); `layers` must then be every layer (or none, `input`)."""
 
     num_tasks: int
     hidden_size: int
@@ -101,36 +140,54 @@ class TeaConditioning(nn.Module):
     layers: tuple[int, ...] = ()
     task_embedding_dim: int = 32
     activation: str = "tanh"
+    scanned: bool = False
 
     def setup(self):
         t = self.num_tasks
         if self.injection == "input":
             self.input_embedding = TaskEmbedding(t, self.hidden_size, embedding_init=_init)
-        elif self.injection == "qkv":
-            self.qkv = [TaskQkv(t, self.num_heads, self.head_dim, name=f"layers_{i}")
-                        for i in self.layers]
-        else:
+            return
+        if self.injection != "qkv":
             self.task_embedding = TaskEmbedding(t, self.task_embedding_dim)
-            self.projections = [QkvProjection(self.num_heads, self.head_dim, name=f"layers_{i}")
-                                for i in self.layers]
+
+        def table(num_layers=None, name=None):
+            if self.injection == "qkv":
+                return TaskQkv(t, self.num_heads, self.head_dim, num_layers, name=name)
+            return QkvProjection(self.task_embedding_dim, self.num_heads, self.head_dim,
+                                 num_layers, name=name)
+
+        if self.scanned:
+            self.stack = table(len(self.layers), "layers")
+        else:
+            self.tables = [table(name=f"layers_{i}") for i in self.layers]
+        self.hook = self.layer_hook_module()
+
+    @nn.nowrap
+    def layer_hook_module(self) -> TeaLayerHook | None:
+        if self.injection == "input":
+            return None
+        return TeaLayerHook(self.injection, self.activation, parent=None)
 
     def input_offset(self, task_id: Array) -> Array | None:
         if self.injection != "input":
             return None
         return gather_by_task(self.input_embedding(), task_id)
 
+    def _shared(self) -> Array | None:
+        return None if self.injection == "qkv" else self.task_embedding()
+
+    def scan_inputs(self, task_id: Array) -> tuple[Any, Any]:
+        """`(shared, per_layer)` of a scanned stack (`(None, None)` for `input`)."""
+        if self.injection == "input":
+            return None, None
+        return self._shared(), self.stack()
+
     def layer_hooks(self, index: int, x: Array, mask: Array, task_id: Array,
                     deterministic: bool) -> LayerHooks:
         if self.injection == "input" or index not in self.layers:
             return LayerHooks()
-        slot = self.layers.index(index)
-        if self.injection == "qkv":
-            per_task = self.qkv[slot]()
-        else:
-            per_task = self.projections[slot](self.task_embedding())
-            if self.injection == "projected_act":
-                per_task = TEA_ACTIVATIONS[self.activation](per_task)
-        return LayerHooks(qkv=gather_by_task(per_task, task_id))
+        per_layer = self.tables[self.layers.index(index)]()
+        return self.hook(x, mask, task_id, self._shared(), per_layer, deterministic)
 
 
 class TeaClassifierModel(TaskConditionedClassifierModel):
@@ -178,9 +235,11 @@ class TeaClassifierModel(TaskConditionedClassifierModel):
         c = self.config
         self.task_layers = () if self.injection == "input" else check_layers(
             "TeaClassifierModel", "task_layers", self._task_layers, c.num_layers)
+        if self.injection != "input":
+            check_every_layer_when_scanned("TeaClassifierModel", "task_layers", self.task_layers, c)
         return TeaConditioning(self.num_tasks, c.hidden_size, c.num_heads, c.head_dim,
                                self.injection, self.task_layers, self.task_embedding_dim,
-                               self.activation)
+                               self.activation, scanned=c.scan_layers)
 
     def __repr__(self) -> str:
         return (f"TeaClassifierModel(config={self.config}, num_labels={self.num_labels}, "

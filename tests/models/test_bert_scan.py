@@ -1,6 +1,7 @@
 """`BertConfig.scan_layers`: the scanned BERT stack equals the unrolled one on the tree
 `scan_layout.convert_layout` gives (logits and gradients), composes with remat, keeps
-the shared top layers and method scopes apart, and methods with their own layers refuse it."""
+the shared top layers apart; PALs and TEA-BERT scan with their per-layer tables stacked
+(same logits and gradients); CA-MTL, whose layers differ, refuses it."""
 
 from __future__ import annotations
 
@@ -63,28 +64,115 @@ def test_scanned_equals_unrolled(remat):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
 
 
-def test_bert_layout_conversion_leaves_other_layer_scopes():
+def test_bert_layout_conversion_stacks_method_tables_and_leaves_shared_layers():
     flat = {"layers_0/output/kernel": np.zeros((2, 3)), "layers_1/output/kernel": np.ones((2, 3)),
-            "conditioning/layers_0/w": np.zeros(2), "shared_layers/layers_0/output/kernel": np.ones(1),
-            "pooler/kernel": np.ones(1)}
+            "conditioning/layers_0/w": np.zeros(2), "conditioning/layers_1/w": np.ones(2),
+            "conditioning/down/kernel": np.ones(3),
+            "shared_layers/layers_0/output/kernel": np.ones(1), "pooler/kernel": np.ones(1)}
     scanned = scan_layout.convert_layout(flat, scanned=True)
-    assert sorted(scanned) == ["conditioning/layers_0/w", "layers/output/kernel", "pooler/kernel",
+    assert sorted(scanned) == ["conditioning/down/kernel", "conditioning/layers/w",
+                               "layers/output/kernel", "pooler/kernel",
                                "shared_layers/layers_0/output/kernel"]
     np.testing.assert_array_equal(scanned["layers/output/kernel"][1], np.ones((2, 3)))
+    np.testing.assert_array_equal(scanned["conditioning/layers/w"], [[0, 0], [1, 1]])
     back = scan_layout.convert_layout(scanned, scanned=False)
     assert sorted(back) == sorted(flat)
     assert scan_layout.num_layers(scanned, "") == 2 == scan_layout.num_layers(flat, "")
+    assert scan_layout.num_layers(scanned, "conditioning") == 2
     assert scan_layout.is_scanned(flat) is False and scan_layout.is_scanned(scanned) is True
 
 
-def test_methods_with_their_own_layers_refuse_scan():
+METHODS = {
+    "pals": lambda config, **kw: pals.PalsClassifierModel(config, num_labels=(3, 1), pals_size=4,
+                                                         pals_heads=2, **kw),
+    **{f"tea_{injection}": (lambda config, injection=injection, **kw: tea.TeaClassifierModel(
+        config, num_labels=(3, 1), injection=injection, task_embedding_dim=4, **kw))
+       for injection in tea.INJECTIONS},
+}
+
+
+def _perturbed(params, seed=1):
+    """`params` with every leaf moved off its init (zero biases, zero-init tables), so a
+    wrongly sliced or mis-stacked table shows."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+                                     for x, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("method,remat", [("pals", "minimal"), ("tea_input", "none"),
+                                          ("tea_qkv", "none"), ("tea_projected_act", "full")])
+def test_scanned_methods_equal_unrolled(method, remat):
+    """PALs and TEA-BERT with `scan_layers=True`: their per-layer tables stacked on the
+    `layers` axis under `conditioning/layers`, the BERT layers under `layers`; logits and
+    every gradient equal the unrolled model's on the converted tree, remat or not, with a
+    shared top layer, rows of both tasks mixed."""
+    batch = _batch()
+    build = METHODS[method]
+    unrolled = build(CONFIG, shared_layers=1)
+    params = _perturbed(nn.unbox(unrolled.init_variables(jax.random.key(0), batch)["params"]))
+    scanned = build(dataclasses.replace(CONFIG, scan_layers=True, remat_policy=remat),
+                    shared_layers=1)
+    boxed = scanned.init_variables(jax.random.key(0), batch)["params"]
+    stacked = scan_layout.convert_layout(params, scanned=True)
+    assert jax.tree.structure(stacked) == jax.tree.structure(nn.unbox(boxed))
+    assert (jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, nn.unbox(boxed)))
+    specs = nn.get_partition_spec(boxed)
+    if "layers" in boxed.get("conditioning", {}):
+        tables = jax.tree.leaves(specs["conditioning"]["layers"],
+                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        assert tables and all(spec[0] == partitioning.LAYERS for spec in tables)
+    else:
+        assert method == "tea_input"
+    for a, b in zip(unrolled.logits(params, batch), scanned.logits(stacked, batch)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    hidden_unrolled, _ = unrolled.encode(params, batch)
+    hidden_scanned, _ = scanned.encode(stacked, batch)
+    assert len(hidden_scanned) == CONFIG.num_layers
+    for a, b in zip(hidden_unrolled, hidden_scanned):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    def loss(model, p):
+        sums, _ = model.loss_sums(p, batch, None, False)
+        return sums.sum()
+
+    g_unrolled = jax.grad(lambda p: loss(unrolled, p))(params)
+    g_scanned = scan_layout.convert_layout(jax.grad(lambda p: loss(scanned, p))(stacked),
+                                           scanned=False)
+    assert jax.tree.structure(g_unrolled) == jax.tree.structure(g_scanned)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_unrolled)[0],
+                            jax.tree.leaves(g_scanned)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+def test_scanned_methods_train_with_dropout():
+    """A scanned PALs model's loss under dropout is finite and changes with the rng (the
+    scan's split dropout keys reach the PALs' own attention dropout)."""
+    config = dataclasses.replace(CONFIG, scan_layers=True, dropout_rate=0.0,
+                                 attention_dropout_rate=0.5)
+    model = METHODS["pals"](config)
+    batch = _batch()
+    params = nn.unbox(model.init_variables(jax.random.key(0), batch)["params"])
+    losses = [float(model.loss_sums(params, batch, jax.random.key(k), True)[0].sum())
+              for k in (1, 2)]
+    assert np.isfinite(losses).all() and losses[0] != losses[1]
+
+
+def test_scanned_stack_refusals():
     config = dataclasses.replace(CONFIG, scan_layers=True)
-    for build in (lambda: camtl.CaMtlClassifierModel(config, camtl=camtl.CaMtlConfig(max_seq_length=8),
-                                                     num_labels=(3, 1)),
-                  lambda: pals.PalsClassifierModel(config, num_labels=(3, 1), pals_size=4,
-                                                   pals_heads=2),
-                  lambda: tea.TeaClassifierModel(config, num_labels=(3, 1))):
-        with pytest.raises(ValueError, match="scans plain BERT layers only"):
-            build()
+    with pytest.raises(ValueError, match="CaMtlClassifierModel: BertConfig.scan_layers=True"):
+        camtl.CaMtlClassifierModel(config, camtl=camtl.CaMtlConfig(max_seq_length=8),
+                                   num_labels=(3, 1))
+    with pytest.raises(ValueError, match=r"PalsClassifierModel.pal_layers=\(0, 2\) with "
+                                         r"BertConfig.scan_layers=True"):
+        pals.PalsClassifierModel(config, num_labels=(3, 1), pals_size=4, pals_heads=2,
+                                 pal_layers=(0, 2))
+    with pytest.raises(ValueError, match=r"TeaClassifierModel.task_layers=\(1,\) with"):
+        tea.TeaClassifierModel(config, num_labels=(3, 1), task_layers=(1,))
     with pytest.raises(ValueError, match="BertConfig.scan_layers='yes'"):
         bert.BertConfig(scan_layers="yes")
+    for build in (lambda: encoder.EncoderClassifierModel(config, num_labels=(3, 1),
+                                                         frozen_layers=1),
+                  lambda: METHODS["pals"](config, frozen_layers="half")):
+        with pytest.raises(ValueError, match=r"frozen_layers=.* with BertConfig.scan_layers=True"):
+            build()
