@@ -390,7 +390,7 @@ class ProjectedSelfAttention(nn.Module):
     num_layers: int | None = None
 
     def setup(self):
-        dense = lambda: TaskDense(self.num_tasks, self.width,  # noqa: E731
+        dense = lambda: TaskDense(self.num_tasks, self.width,
                                   (self.num_heads, self.width // self.num_heads),
                                   (HYPER_BOTTLENECK, None, None), (None, None), self.dtype,
                                   self.num_layers)
