@@ -94,7 +94,8 @@ class TaggingEvaluator(SplitEvaluator):
         tasks = [(n, s) for n, s in zip(names, spaces) if s.is_tagging]
         if not tasks:
             raise ValueError(f"TaggingEvaluator: the input's tasks {list(names)} have no "
-                             "tagging task (LabelSpace.tagging); use TeacherForcedEvaluator")
+                             "tagging task (LabelSpace.tagging); use LabelEvaluator (each task's own "
+                             "metrics) or TeacherForcedEvaluator")
         if self._trainer is not trainer:
             self._compile(trainer)
         results = {name: self._score(trainer, params, name, space) for name, space in tasks}
