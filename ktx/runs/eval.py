@@ -142,8 +142,19 @@ class SplitEvaluator:
             raise ValueError(f"{type(self).__name__}: no eval_input/batch_size; give them, or "
                              "run it inside ktx.runs.train.train (which supplies the run's)")
 
-    def _jit_on_mesh(self, trainer: Trainer, fn) -> Any:
-        return jit_on_mesh(trainer, fn)
+    def _device_fn(self, model: BaseModel):
+        """`fn(params, batch)`: what the evaluator computes on the devices for one batch
+        (its outputs come back replicated, to be read on the host). Subclasses that use
+        `_on_mesh` define it."""
+        raise NotImplementedError(f"{type(self).__name__} defines no _device_fn")
+
+    def _on_mesh(self, trainer: Trainer) -> Any:
+        """`_device_fn(trainer.model)` jitted for `trainer`'s mesh (`jit_on_mesh`), built
+        once per trainer and reused at every later evaluation."""
+        if getattr(self, "_mesh_trainer", None) is not trainer:
+            self._mesh_fn = jit_on_mesh(trainer, self._device_fn(trainer.model))
+            self._mesh_trainer = trainer
+        return self._mesh_fn
 
 
 class TeacherForcedEvaluator(SplitEvaluator):

@@ -82,17 +82,13 @@ class LabelEvaluator(SplitEvaluator):
     def __init__(self, eval_input: Any = None, *, split: str = "validation",
                  batch_size: int | None = None):
         super().__init__(eval_input, split=split, batch_size=batch_size)
-        self._trainer = None
-        self._logits = None
 
-    def _compile(self, trainer: Trainer) -> None:
-        model = trainer.model
+    def _device_fn(self, model: Any):
 
         def fn(params, batch):
             return tuple(model.logits(params, batch)), batch["label"]
 
-        self._logits = self._jit_on_mesh(trainer, fn)
-        self._trainer = trainer
+        return fn
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
@@ -103,8 +99,6 @@ class LabelEvaluator(SplitEvaluator):
         if not tasks:
             raise ValueError(f"LabelEvaluator: the input's tasks {list(names)} are all tagging "
                              "tasks; use TaggingEvaluator")
-        if self._trainer is not trainer:
-            self._compile(trainer)
         results = {name: self._score(trainer, params, t, name, space)
                    for t, name, space in tasks}
         if writer is not None:
@@ -118,7 +112,7 @@ class LabelEvaluator(SplitEvaluator):
             batch, num_real = _batch_and_rows(item)
             global_batch = trainer.global_batch(batch)
             with trainer._context():
-                logits, labels = jax.device_get(self._logits(params, global_batch))
+                logits, labels = jax.device_get(self._on_mesh(trainer)(params, global_batch))
             rows = labels.shape[0] if num_real is None else num_real
             head = np.asarray(logits[t])[:rows]
             if head.ndim != 2:

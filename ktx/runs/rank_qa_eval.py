@@ -80,17 +80,13 @@ class AnswerRankingEvaluator(SplitEvaluator):
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
             raise ValueError(f"AnswerRankingEvaluator.threshold={threshold!r}; accepted: a number")
         self.threshold = float(threshold)
-        self._trainer = None
-        self._predict = None
 
-    def _compile(self, trainer: Trainer) -> None:
-        model = trainer.model
+    def _device_fn(self, model: Any):
 
         def fn(params, batch):
             return predict_scores(model, params, batch), batch["label"]
 
-        self._predict = self._jit_on_mesh(trainer, fn)
-        self._trainer = trainer
+        return fn
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
@@ -102,8 +98,6 @@ class AnswerRankingEvaluator(SplitEvaluator):
             raise ValueError(f"AnswerRankingEvaluator: the input's tasks {list(names)} have no "
                              f"answer-ranking task with a {self.split!r} split (source rows with "
                              f"{list(_ROW_FIELDS)}, e.g. biomed_mediqa2019_qa_bert_v001)")
-        if self._trainer is not trainer:
-            self._compile(trainer)
         results = {name: self._score(trainer, params, name, rows) for name, rows in tasks}
         if writer is not None:
             writer.write_tasks(step, f"{self.split}_ranking", results)
@@ -115,7 +109,7 @@ class AnswerRankingEvaluator(SplitEvaluator):
             batch, num_real = _batch_and_rows(item)
             global_batch = trainer.global_batch(batch)
             with trainer._context():
-                pred, label = jax.device_get(self._predict(params, global_batch))
+                pred, label = jax.device_get(self._on_mesh(trainer)(params, global_batch))
             n = pred.shape[0] if num_real is None else num_real
             scores.append(np.asarray(pred[:n], np.float64))
             labels.append(np.asarray(label[:n], np.float64))

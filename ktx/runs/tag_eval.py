@@ -73,18 +73,14 @@ class TaggingEvaluator(SplitEvaluator):
     def __init__(self, eval_input: Any = None, *, split: str = "validation",
                  batch_size: int | None = None):
         super().__init__(eval_input, split=split, batch_size=batch_size)
-        self._trainer = None
-        self._predict = None
 
-    def _compile(self, trainer: Trainer) -> None:
-        model = trainer.model
+    def _device_fn(self, model: Any):
         _head_kinds(model)
 
         def fn(params, batch):
             return predict_tags(model, params, batch), {k: batch[k] for k in _HOST_FEATURES}
 
-        self._predict = self._jit_on_mesh(trainer, fn)
-        self._trainer = trainer
+        return fn
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
@@ -96,8 +92,6 @@ class TaggingEvaluator(SplitEvaluator):
             raise ValueError(f"TaggingEvaluator: the input's tasks {list(names)} have no "
                              "tagging task (LabelSpace.tagging); use LabelEvaluator (each task's own "
                              "metrics) or TeacherForcedEvaluator")
-        if self._trainer is not trainer:
-            self._compile(trainer)
         results = {name: self._score(trainer, params, name, space) for name, space in tasks}
         if writer is not None:
             writer.write_tasks(step, f"{self.split}_entities", results)
@@ -114,7 +108,7 @@ class TaggingEvaluator(SplitEvaluator):
                                  "token_labels (not converted as a tagging task)")
             global_batch = trainer.global_batch(batch)
             with trainer._context():
-                pred, host = jax.device_get(self._predict(params, global_batch))
+                pred, host = jax.device_get(self._on_mesh(trainer)(params, global_batch))
             rows = pred.shape[0] if num_real is None else num_real
             for b in range(rows):
                 m = (host["token_labels"][b] >= 0) & (host["attention_mask"][b] > 0)

@@ -35,6 +35,23 @@ def _model(scan: bool, remat: str = "none", **kwargs):
     return encoder.EncoderClassifierModel(config, num_labels=(3, 1), **kwargs)
 
 
+def _assert_same_gradients(unrolled, params, scanned, stacked, batch):
+    """Every gradient of the summed task losses of the scanned model, converted back to the
+    unrolled layout, equals the unrolled model's (same tree, rtol 1e-4)."""
+
+    def loss(model, p):
+        sums, _ = model.loss_sums(p, batch, None, False)
+        return sums.sum()
+
+    g_unrolled = jax.grad(lambda p: loss(unrolled, p))(params)
+    g_scanned = scan_layout.convert_layout(jax.grad(lambda p: loss(scanned, p))(stacked),
+                                           scanned=False)
+    assert jax.tree.structure(g_unrolled) == jax.tree.structure(g_scanned)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_unrolled)[0],
+                            jax.tree.leaves(g_scanned)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
 @pytest.mark.parametrize("remat", ["none", "minimal"])
 def test_scanned_equals_unrolled(remat):
     batch = _batch()
@@ -52,16 +69,7 @@ def test_scanned_equals_unrolled(remat):
     for a, b in zip(unrolled.logits(params, batch), scanned.logits(stacked, batch)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
-    def loss(model, p):
-        sums, _ = model.loss_sums(p, batch, None, False)
-        return sums.sum()
-
-    g_unrolled = jax.grad(lambda p: loss(unrolled, p))(params)
-    g_scanned = scan_layout.convert_layout(jax.grad(lambda p: loss(scanned, p))(stacked),
-                                           scanned=False)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_unrolled)[0],
-                            jax.tree.leaves(g_scanned)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
+    _assert_same_gradients(unrolled, params, scanned, stacked, batch)
 
 
 def test_bert_layout_conversion_stacks_method_tables_and_leaves_shared_layers():
@@ -132,17 +140,7 @@ def test_scanned_methods_equal_unrolled(method, remat):
     for a, b in zip(hidden_unrolled, hidden_scanned):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
-    def loss(model, p):
-        sums, _ = model.loss_sums(p, batch, None, False)
-        return sums.sum()
-
-    g_unrolled = jax.grad(lambda p: loss(unrolled, p))(params)
-    g_scanned = scan_layout.convert_layout(jax.grad(lambda p: loss(scanned, p))(stacked),
-                                           scanned=False)
-    assert jax.tree.structure(g_unrolled) == jax.tree.structure(g_scanned)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_unrolled)[0],
-                            jax.tree.leaves(g_scanned)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
+    _assert_same_gradients(unrolled, params, scanned, stacked, batch)
 
 
 def test_scanned_methods_train_with_dropout():

@@ -64,9 +64,17 @@ def test_each_task_is_scored_with_its_own_metrics(root, vocab_dir):
     by its task's head and scored with the task's registered metrics, equal to those
     metrics on the model's own logits of the whole split."""
     inp, model, trainer, state = _setup(root, vocab_dir)
-    got = label_eval.LabelEvaluator(inp, batch_size=8)(trainer=trainer, params=state.params,
-                                                      step=0)
+    evaluator = label_eval.LabelEvaluator(inp, batch_size=8)
+    got = evaluator(trainer=trainer, params=state.params, step=0)
     assert list(got) == [COLA, STSB]
+    # The jitted logits are built once per trainer and reused by the next evaluation;
+    # another trainer (another mesh) gets its own.
+    jitted = evaluator._on_mesh(trainer)
+    assert evaluator(trainer=trainer, params=state.params, step=1) == got
+    assert evaluator._on_mesh(trainer) is jitted
+    other = Trainer(model, optax.sgd(0.0))
+    other.init_state(jax.random.key(0), inp.get_batch(0))
+    assert evaluator._on_mesh(other) is not jitted
     assert list(got[COLA]) == ["matthews_corrcoef", "examples"]
     assert list(got[STSB]) == ["pearson_corrcoef", "spearman_corrcoef", "examples"]
     assert got[COLA]["examples"] == 6 and got[STSB]["examples"] == 5
