@@ -79,7 +79,6 @@ __all__ = [
     "attention_mask_from",
     "add_perturbation",
     "check_shared_layers",
-    "refuse_scan_layers",
     "POOLINGS",
     "check_pooling",
     "pool_hidden",
@@ -136,8 +135,9 @@ class BertConfig:
     `num_layers` layers of `BertEncoder` as one `nn.scan` (parameters stacked on a leading
     `layers` axis under the root scope `layers`; `ktx.models.scan_layout` converts trees
     between the layouts), as `T5Config.scan_layers`; PALs and TEA-BERT scan too (their
-    per-layer tables stacked under `conditioning/layers`), CA-MTL, whose layers differ,
-    refuses it.
+    per-layer tables stacked under `conditioning/layers`), and so does CA-MTL (its
+    per-layer conditioning, which differs from layer to layer, stays under
+    `conditioning/layers_<i>`).
     """
 
     vocab_size: int = 30522
@@ -431,17 +431,6 @@ class SharedTopLayers(nn.Module):
                           c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate,
                           c.activation_dtype, name=f"layers_{i}")(x, mask, deterministic)
         return x
-
-
-def refuse_scan_layers(owner: str, config: BertConfig) -> None:
-    """ValueError for a method whose layers differ from one another (CA-MTL) given
-    `scan_layers=True`."""
-    if config.scan_layers:
-        raise ValueError(
-            f"{owner}: BertConfig.scan_layers=True (gin macro SCAN_LAYERS) runs one layer "
-            "definition on every layer, and this method's layers differ from one another "
-            "(plain and conditional layer norms, an adapter or a bottleneck chain on some): "
-            "set SCAN_LAYERS = False")
 
 
 def check_shared_layers(owner: str, value: Any) -> int:

@@ -35,6 +35,13 @@ the top-level `conditioning` scope, which `ktx params` counts as task-conditione
     conditioning/layers_i/bottleneck/{task_projection [E, E], film [E, 2E],
         down [E, E//3], up [E//3, E]} (kernels, biases)           Large: every layer
 
+With `BertConfig.scan_layers` the BERT layers are one `nn.scan` (`layers/...` `[n, ...]`,
+body `CaMtlLayer`); `conditioning/layers_i` stays per layer (its layers differ), each
+layer's bias and FiLMs computed before the scan and given to it stacked, plain-LN layers
+with the identity FiLM (`LayerNormFiLM.identity`); Base's adapter and Large's chain run
+after it on its per-layer outputs (`CaMtlEncoder._scanned_layers`). Same numbers as
+unrolled (tests/models/test_bert_scan.py).
+
 With the Base variant the top layer (`layers_{n-1}`) is the authors' `new_*` layer, trained
 from scratch in their code; here it has BERT's names, so a BERT checkpoint fills it too.
 
@@ -99,7 +106,7 @@ from ktx.models.camtl_layers import (
     _MASK_VALUE,
     _dense,
 )
-from ktx.partitioning import EMBED, MLP
+from ktx.partitioning import EMBED, LAYERS, MLP
 
 __all__ = [
     "VARIANTS",
@@ -150,14 +157,22 @@ class CaMtlEncoder(nn.Module):
         self.conditioning = CaMtlConditioning(
             self.num_tasks, c.hidden_size, c.num_layers, self.camtl, c.layer_norm_eps, dtype,
             name=CONDITIONING_SCOPE)
-        # CaMtlLayer.__call__'s `deterministic` is argument 6 (self = 0), static under remat.
-        layer_cls = layer_class(CaMtlLayer, c.remat_policy, (6,), scanned=False)
-        self.layers = [
-            layer_cls(c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
-                      c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype,
-                      name=f"layers_{i}")
-            for i in range(c.num_layers)
-        ]
+        fields = (c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
+                  c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype)
+        if c.scan_layers:
+            # One CaMtlLayer definition over every layer: x is the carry, each layer's
+            # task bias and layer-norm FiLMs its slice, the padding mask and
+            # `deterministic` (argument 6, self = 0, static under remat) broadcast.
+            body = layer_class(CaMtlLayer, c.remat_policy, (6,), scanned=True)
+            self.layers = nn.scan(
+                body, variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, 0, 0, 0, nn.broadcast), length=c.num_layers,
+                metadata_params={nn.PARTITION_NAME: LAYERS},
+            )(*fields, scanned=True, name="layers")
+        else:
+            layer_cls = layer_class(CaMtlLayer, c.remat_policy, (6,), scanned=False)
+            self.layers = [layer_cls(*fields, name=f"layers_{i}") for i in range(c.num_layers)]
         self.pooler = _dense(c.hidden_size, (EMBED, MLP), (MLP,), dtype, None)
         self.shared_layers = (bert.SharedTopLayers(c, self.num_shared_layers)
                               if self.num_shared_layers else None)
@@ -195,21 +210,52 @@ class CaMtlEncoder(nn.Module):
         x, z = self.conditioning(jnp.asarray(task_id, jnp.int32), x)
         hidden = [x]
         n = self.config.num_layers
-        chain = jnp.zeros_like(x) if self.camtl.variant == "large" else None
-        for i, layer in enumerate(self.layers):
-            task_bias, attention_ln, output_ln = self.conditioning.layer(i, z)
-            x, attention_out = layer(x, mask_bias, task_bias, attention_ln, output_ln,
-                                     deterministic)
-            if self.camtl.variant == "base" and i == n - 1:
-                x = self.conditioning.adapt(i, z, x, attention_out)
-            hidden.append(x)
-            if chain is not None:
-                chain = self.conditioning.chain(i, z, x + chain)
+        base = self.camtl.variant == "base"
+        if self.config.scan_layers:
+            hidden.extend(self._scanned_layers(x, z, mask_bias, deterministic))
+            if base:  # the top layer's adapter, after the scan (it is the last step)
+                hidden[n] = self.conditioning.adapt(n - 1, z, *hidden[n])
+            else:
+                hidden[n] = hidden[n][0]
+            x = hidden[n]
+        else:
+            for i, layer in enumerate(self.layers):
+                task_bias, attention_ln, output_ln = self.conditioning.layer(i, z)
+                x, attention_out = layer(x, mask_bias, task_bias, attention_ln, output_ln,
+                                         deterministic)
+                if base and i == n - 1:
+                    x = self.conditioning.adapt(i, z, x, attention_out)
+                hidden.append(x)
+        chain = None
+        if not base:  # Large: f_i = bottleneck_i(z, h_i + f_{i-1}), beside the layers
+            chain = jnp.zeros_like(x)
+            for i in range(n):
+                chain = self.conditioning.chain(i, z, hidden[i + 1] + chain)
         last = x if chain is None else chain
         if self.shared_layers is not None:
             last = self.shared_layers(last, mask, deterministic)
         pooled = bert.pool_hidden(last, mask, self.pooler, self.pooling) if self.pool else None
         return CaMtlOutput(last, pooled, tuple(hidden))
+
+    def _scanned_layers(self, x, z, mask_bias, deterministic) -> list:
+        """The scanned stack: each layer's conditioning (attention bias, layer-norm FiLMs:
+        `conditioning/layers_<i>`, per layer in both layouts) computed first and stacked
+        `[n, ...]`, plain-LN layers given the identity FiLM (`LayerNormFiLM.identity`:
+        the same numbers); returns layer outputs `[B, L, E]` for layers `0 .. n-2` and
+        `(output, attention sub-block output)` for the top layer (Base's adapter takes
+        both)."""
+        n = self.config.num_layers
+        identity = LayerNormFiLM.identity(x.shape[0], self.config.hidden_size,
+                                          self.camtl.layer_norm_form)
+        per_layer = []
+        for i in range(n):
+            task_bias, attention_ln, output_ln = self.conditioning.layer(i, z)
+            per_layer.append((task_bias, identity if attention_ln is None else attention_ln,
+                              identity if output_ln is None else output_ln))
+        task_bias, attention_ln, output_ln = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        _, (outputs, attention) = self.layers(x, mask_bias, task_bias, attention_ln, output_ln,
+                                              deterministic)
+        return [outputs[i] for i in range(n - 1)] + [(outputs[n - 1], attention[n - 1])]
 
 
 class CaMtlClassifier(CaMtlEncoder):
@@ -296,7 +342,6 @@ class CaMtlClassifierModel(encoder.EncoderClassifierModel):
         **kwargs,
     ):
         super().__init__(config, frozen_layers=frozen_layers, **kwargs)
-        bert.refuse_scan_layers(type(self).__name__, self.config)
         camtl = CaMtlConfig() if camtl is None else camtl
         if not isinstance(camtl, CaMtlConfig):
             raise TypeError(f"CaMtlClassifierModel.camtl must be a CaMtlConfig, got "

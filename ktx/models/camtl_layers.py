@@ -116,6 +116,15 @@ class LayerNormFiLM(NamedTuple):
     scale: FiLMCoefficients
     bias: FiLMCoefficients | None = None
 
+    @staticmethod
+    def identity(rows: int, hidden_size: int, layer_norm_form: str) -> LayerNormFiLM:
+        """γ = β = 0 `[rows, E]`: `(1 + 0) ⊙ w + 0 = w`, the plain layer norm exactly. A
+        scanned CA-MTL stack gives it to its plain-LN layers, so that every layer takes
+        the same inputs."""
+        zero = jnp.zeros((rows, hidden_size), jnp.float32)
+        film = FiLMCoefficients(zero, zero)
+        return LayerNormFiLM(film, film if layer_norm_form == "paper" else None)
+
 
 def _dense(features: int, kernel_axes, bias_axes, dtype, name: str | None) -> bert.DenseGeneral:
     return bert.DenseGeneral((features,), tuple(kernel_axes), tuple(bias_axes), (-1,), dtype,
@@ -208,7 +217,10 @@ class CaMtlLayer(nn.Module):
     attention and, when given `LayerNormFiLM`s, conditional layer norms.
 
     `(x [B, L, E], mask_bias, task_bias [B, L, L], attention_ln, output_ln)` ->
-    `(layer output, attention sub-block output)`, both `[B, L, E]`.
+    `(layer output, attention sub-block output)`, both `[B, L, E]`. As the body of a
+    scanned stack (`scanned=True`: the inputs after `mask_bias` are one layer's slice) it
+    returns `(layer output, (layer output, attention sub-block output))`: the carry and
+    the per-layer outputs.
     """
 
     num_heads: int
@@ -219,6 +231,7 @@ class CaMtlLayer(nn.Module):
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     dtype: Dtype = jnp.float32
+    scanned: bool = False
 
     @nn.compact
     def __call__(self, x, mask_bias, task_bias, attention_ln: LayerNormFiLM | None,
@@ -239,7 +252,8 @@ class CaMtlLayer(nn.Module):
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         out = CaMtlLayerNorm(self.layer_norm_eps, self.dtype, name="output_layer_norm")(
             a + h, output_ln)
-        return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED)), a
+        out = nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
+        return (out, (out, a)) if self.scanned else (out, a)
 
 
 class ConditionalBottleneck(nn.Module):

@@ -10,7 +10,10 @@ both layouts. A BERT encoder (`BertConfig.scan_layers`) keeps its stack at the r
 `layers_3/attention/query/kernel` <-> `layers/attention/query/kernel`, and an encoder
 method's per-layer tables with it (PALs, TEA-BERT: `conditioning/layers_3/...` <->
 `conditioning/layers/...`, stacked the same way); `shared_layers/layers_<i>` (extra top
-layers, never scanned) are not a stack.
+layers, never scanned) are not a stack, and neither are per-layer tables that differ from
+layer to layer (CA-MTL's `conditioning/layers_<i>`: the layer-norm FiLMs of the upper
+layers only, the adapter of the top one): they stay per layer in both layouts, and the
+scanned CA-MTL stack reads them layer by layer.
 
 `convert_layout(tree, scanned=...)` is the one conversion, both ways: checkpoint import
 and export and restoring a checkpoint of one layout into a model of the other call it.
@@ -50,11 +53,30 @@ def _is_flat(tree: Mapping[str, Any]) -> bool:
     return any("/" in str(k) for k in tree) or not any(isinstance(v, Mapping) for v in tree.values())
 
 
+def _ragged(flat: Mapping[str, Any]) -> set[tuple[str, str]]:
+    """The `(prefix, "conditioning")` groups of unrolled per-layer tables whose layers
+    hold different parameter sets (CA-MTL's): not a stack in either layout."""
+    names: dict[tuple[str, str], dict[int, set[str]]] = {}
+    for path in flat:
+        m = _UNROLLED.match(path)
+        if m and _where(m)[1] == "conditioning":
+            names.setdefault(_where(m), {}).setdefault(int(m.group(3)), set()).add(m.group(4))
+    return {where for where, by_layer in names.items()
+            if len({frozenset(v) for v in by_layer.values()}) > 1
+            or sorted(by_layer) != list(range(len(by_layer)))}
+
+
+def _stacked(m: re.Match | None, ragged: set[tuple[str, str]]) -> re.Match | None:
+    """`m` unless it names a table of a ragged group (then: not a layer stack entry)."""
+    return None if m is None or _where(m) in ragged else m
+
+
 def _layouts(flat: Mapping[str, Any]) -> dict[tuple[str, str], set[str]]:
     """`{(prefix, side): {"unrolled", "scanned"}}` found in `flat`'s paths."""
     found: dict[tuple[str, str], set[str]] = {}
+    ragged = _ragged(flat)
     for path in flat:
-        m = _UNROLLED.match(path)
+        m = _stacked(_UNROLLED.match(path), ragged)
         if m:
             found.setdefault(_where(m), set()).add("unrolled")
             continue
@@ -83,8 +105,9 @@ def num_layers(tree: Mapping[str, Any], side: str) -> int:
     layout (0: none)."""
     flat = tree if _is_flat(tree) else flatten(tree)
     count = 0
+    ragged = _ragged(flat)
     for path, value in flat.items():
-        m = _UNROLLED.match(path)
+        m = _stacked(_UNROLLED.match(path), ragged)
         if m and _where(m)[1] == side:
             count = max(count, int(m.group(3)) + 1)
         m = _SCANNED.match(path)
@@ -102,8 +125,9 @@ def _stack(values: list[Any]) -> Any:
 def _to_scanned(flat: Mapping[str, Any]) -> dict[str, Any]:
     groups: dict[tuple[str, str, str], dict[int, Any]] = {}
     out = {}
+    ragged = _ragged(flat)
     for path, value in flat.items():
-        m = _UNROLLED.match(path)
+        m = _stacked(_UNROLLED.match(path), ragged)
         if not m:
             out[path] = value
             continue

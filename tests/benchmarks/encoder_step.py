@@ -13,7 +13,7 @@ The issue's goal: every method <= 1.15x plain BERT.
 
     python tests/benchmarks/encoder_step.py            # BERT-Base shape: 12 x 768, L = 128, B = 8
     python tests/benchmarks/encoder_step.py --small    # 4 x 256, 4 heads, MLP 1024, L = 64, B = 8
-    python tests/benchmarks/encoder_step.py --small --scan   # every stack scanned (no CA-MTL)
+    python tests/benchmarks/encoder_step.py --small --scan   # every stack scanned
 
 Prints one line per method, then one JSON object (the last line).
 """
@@ -101,7 +101,7 @@ def main(argv=None):
     parser.add_argument("--extra", action="store_true", help=f"also time {list(EXTRA)}")
     parser.add_argument("--scan", action="store_true",
                         help="every model with a scanned layer stack (BertConfig.scan_layers), "
-                             "plain BERT's scanned too; CA-MTL, which refuses it, is left out")
+                             "plain BERT's scanned too")
     args = parser.parse_args(argv)
     if args.small:
         args.hidden, args.layers, args.heads, args.intermediate, args.seq = 256, 4, 4, 1024, 64
@@ -109,10 +109,6 @@ def main(argv=None):
     unknown = [m for m in methods if m not in METHODS + EXTRA]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; accepted: {list(METHODS + EXTRA)}")
-    if args.scan and "camtl" in methods:
-        print("camtl: left out (CA-MTL's layers differ from one another: it refuses "
-              "scan_layers)", flush=True)
-        methods.remove("camtl")
     methods = ["plain"] + methods + (list(EXTRA) if args.extra else [])
     config = _config(args)
     batch = _batch(config, args.batch_size, args.seq)

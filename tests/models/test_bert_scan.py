@@ -1,7 +1,8 @@
 """`BertConfig.scan_layers`: the scanned BERT stack equals the unrolled one on the tree
 `scan_layout.convert_layout` gives (logits and gradients), composes with remat, keeps
 the shared top layers apart; PALs and TEA-BERT scan with their per-layer tables stacked
-(same logits and gradients); CA-MTL, whose layers differ, refuses it."""
+(same logits and gradients); so does CA-MTL, whose per-layer conditioning differs from
+layer to layer and stays per layer."""
 
 from __future__ import annotations
 
@@ -158,9 +159,6 @@ def test_scanned_methods_train_with_dropout():
 
 def test_scanned_stack_refusals():
     config = dataclasses.replace(CONFIG, scan_layers=True)
-    with pytest.raises(ValueError, match="CaMtlClassifierModel: BertConfig.scan_layers=True"):
-        camtl.CaMtlClassifierModel(config, camtl=camtl.CaMtlConfig(max_seq_length=8),
-                                   num_labels=(3, 1))
     with pytest.raises(ValueError, match=r"PalsClassifierModel.pal_layers=\(0, 2\) with "
                                          r"BertConfig.scan_layers=True"):
         pals.PalsClassifierModel(config, num_labels=(3, 1), pals_size=4, pals_heads=2,
@@ -171,6 +169,47 @@ def test_scanned_stack_refusals():
         bert.BertConfig(scan_layers="yes")
     for build in (lambda: encoder.EncoderClassifierModel(config, num_labels=(3, 1),
                                                          frozen_layers=1),
-                  lambda: METHODS["pals"](config, frozen_layers="half")):
+                  lambda: METHODS["pals"](config, frozen_layers="half"),
+                  lambda: camtl.CaMtlClassifierModel(  # the paper's frozen bottom half
+                      config, camtl=camtl.CaMtlConfig(max_seq_length=8), num_labels=(3, 1),
+                      frozen_layers="half")):
         with pytest.raises(ValueError, match=r"frozen_layers=.* with BertConfig.scan_layers=True"):
             build()
+
+
+@pytest.mark.parametrize("variant,form,remat", [("base", "code", "none"),
+                                                ("base", "paper", "minimal"),
+                                                ("large", "code", "full")])
+def test_scanned_camtl_equals_unrolled(variant, form, remat):
+    """CA-MTL with `scan_layers=True`: the BERT layers stacked under `layers`, its
+    conditioning (task bias, layer-norm FiLMs of the upper layers only, Base's top-layer
+    adapter, Large's chain) per layer under `conditioning/layers_<i>` in both layouts;
+    every hidden state, the logits and every gradient equal the unrolled model's, with a
+    shared top layer and rows of both tasks mixed."""
+    batch = _batch()
+    options = camtl.CaMtlConfig(variant, 8, form)
+    unrolled = camtl.CaMtlClassifierModel(dataclasses.replace(CONFIG, num_layers=4),
+                                          camtl=options, num_labels=(3, 1), shared_layers=1)
+    params = _perturbed(nn.unbox(unrolled.init_variables(jax.random.key(0), batch)["params"]))
+    scanned = camtl.CaMtlClassifierModel(
+        dataclasses.replace(CONFIG, num_layers=4, scan_layers=True, remat_policy=remat),
+        camtl=options, num_labels=(3, 1), shared_layers=1)
+    boxed = scanned.init_variables(jax.random.key(0), batch)["params"]
+    stacked = scan_layout.convert_layout(params, scanned=True)
+    assert jax.tree.structure(stacked) == jax.tree.structure(nn.unbox(boxed))
+    assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, nn.unbox(boxed))
+    assert stacked["layers"]["attention"]["query"]["kernel"].shape == (4, 16, 2, 8)
+    assert stacked["conditioning"] == params["conditioning"]  # per layer in both layouts
+    assert "attention_layer_norm" not in stacked["conditioning"]["layers_0"]
+    assert "attention_layer_norm" in stacked["conditioning"]["layers_3"]
+    assert scan_layout.is_scanned(stacked) and scan_layout.is_scanned(params) is False
+    back = scan_layout.convert_layout(stacked, scanned=False)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for a, b in zip(unrolled.logits(params, batch), scanned.logits(stacked, batch)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    want, got = unrolled.encode(params, batch), scanned.encode(stacked, batch)
+    assert len(got.hidden_states) == 5
+    for a, b in zip(want.hidden_states + (want.last_hidden_state, want.pooled_output),
+                    got.hidden_states + (got.last_hidden_state, got.pooled_output)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    _assert_same_gradients(unrolled, params, scanned, stacked, batch)

@@ -9,6 +9,7 @@ logits 5.7e-7, normalised entropy 6e-8; Large: hidden states 5.7e-6, last hidden
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -28,7 +29,7 @@ from ktx.training import checkpoints
 from ktx.training import trainer as trainer_lib
 from ktx.convert import camtl as camtl_convert
 from ktx.convert.safetensors_io import read_safetensors, write_safetensors
-from ktx.models import bert, camtl, encoder
+from ktx.models import bert, camtl, encoder, scan_layout
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TOL = 2e-5
@@ -77,6 +78,25 @@ def test_reproduces_the_authors_code(variant):
     if variant == "large":  # the encoder's output is the bottleneck chain, not the last layer
         assert np.abs(expected["last_hidden_state"] - expected["hidden_states"][-1]).max() > 0.1
     _check_heads(model, imported.params, ref, batch)
+
+
+@pytest.mark.parametrize("variant", ["base", "large"])
+def test_a_scanned_stack_reproduces_the_authors_code(variant):
+    """The authors' weights in the scanned layout (`scan_layout.convert_layout`) run by a
+    `scan_layers=True` CA-MTL give the same hidden states, pooled output and head logits."""
+    folder = _fixture(variant)
+    ref, batch, expected = _reference(folder)
+    imported = camtl_convert.read_camtl(folder)
+    config = imported.config._replace(bert=dataclasses.replace(imported.config.bert,
+                                                               scan_layers=True))
+    model = config.model()
+    params = scan_layout.convert_layout(imported.params, scanned=True)
+    assert params["layers"]["attention"]["query"]["kernel"].shape[0] == 4
+    out = jax.jit(model.encode)(params, batch)
+    np.testing.assert_allclose(np.stack(out.hidden_states), expected["hidden_states"], atol=TOL)
+    np.testing.assert_allclose(out.last_hidden_state, expected["last_hidden_state"], atol=TOL)
+    np.testing.assert_allclose(out.pooled_output, expected["pooled_output"], atol=TOL)
+    _check_heads(model, params, ref, batch)
 
 
 def test_paper_layer_norm_with_zero_bias_generators_is_the_code_form():
