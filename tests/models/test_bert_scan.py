@@ -91,6 +91,25 @@ def test_bert_layout_conversion_stacks_method_tables_and_leaves_shared_layers():
     assert scan_layout.is_scanned(flat) is False and scan_layout.is_scanned(scanned) is True
 
 
+def test_ragged_per_layer_tables_stay_per_layer():
+    """Per-layer tables whose layers hold different parameter sets (CA-MTL's FiLMs on the
+    upper layer only) are not a stack: left as they are in both directions, and the
+    tree's layout is that of its BERT stack."""
+    flat = {"layers_0/output/kernel": np.zeros((2, 3)), "layers_1/output/kernel": np.ones((2, 3)),
+            "conditioning/layers_0/bias": np.zeros(2), "conditioning/layers_1/bias": np.ones(2),
+            "conditioning/layers_1/film/kernel": np.ones((2, 4))}
+    scanned = scan_layout.convert_layout(flat, scanned=True)
+    assert sorted(scanned) == ["conditioning/layers_0/bias", "conditioning/layers_1/bias",
+                               "conditioning/layers_1/film/kernel", "layers/output/kernel"]
+    assert scan_layout.is_scanned(scanned) is True and scan_layout.is_scanned(flat) is False
+    assert scan_layout.num_layers(scanned, "conditioning") == 0
+    back = scan_layout.convert_layout(scanned, scanned=False)
+    assert sorted(back) == sorted(flat)
+    # a layer missing from an otherwise uniform set of tables is ragged too
+    gap = {"layers_0/w": np.zeros(1), "conditioning/layers_1/w": np.ones(2)}
+    assert "conditioning/layers_1/w" in scan_layout.convert_layout(gap, scanned=True)
+
+
 METHODS = {
     "pals": lambda config, **kw: pals.PalsClassifierModel(config, num_labels=(3, 1), pals_size=4,
                                                          pals_heads=2, **kw),
