@@ -13,7 +13,9 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
   balancer in `ktx.optim.BALANCERS`, timed interleaved: each repeat times `--steps`
   steps of every configuration, in an order rotated from repeat to repeat; the ratio is
   median balanced step time / median plain step time (min and median per config also
-  reported; `trainer_path_ms.<model>.min_ratio`: min balanced / min plain, the figure
+  reported; with `--ops`, `trainer_path_ms.<model>.ops`: each compiled step's instruction,
+  fusion, sort and while-loop counts, what a launch-bound GPU step pays for;
+  `trainer_path_ms.<model>.min_ratio`: min balanced / min plain, the figure
   least moved by other processes on a shared machine; `cpu_ratio`: the same median ratio of
   this process's CPU time per step, which waiting for a core does not inflate;
   `paired_ratio`: the median over repeats of balanced / plain within one repeat, which a
@@ -197,14 +199,29 @@ def _bytes_accessed(tr, state, host_batch, counts):
     return float(analysis["bytes accessed"])
 
 
-def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None, cost=False):
+def _op_counts(tr, state, host_batch, counts):
+    """Instructions of the compiled step's entry computation (the timed step, without
+    diagnostics): all, fusions, and the sorts and while loops of the whole module, the
+    counts that bound a launch-bound step (a GPU runs about one kernel per fusion)."""
+    import collections
+    import re
+
+    text = tr.lower_train_step(state, tr.global_batch(host_batch, counts), jax.random.key(1),
+                               task_counts=counts, log_diagnostics=False).compile().as_text()
+    entry = collections.Counter(re.findall(r"= \S+ ([\w-]+)\(", text[text.index("ENTRY"):]))
+    return {"entry_instructions": sum(entry.values()), "fusions": entry["fusion"],
+            "sorts": text.count(" sort("), "while_loops": text.count(" while(")}
+
+
+def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None, cost=False,
+                 ops=False):
     """Interleaved timing of `Trainer.train_step`, plain and with every balancer."""
     from ktx.training.trainer import Trainer
 
     host_batch = jax.device_get(batch)
     names = list(balancers or ko.BALANCERS)
     configs = {"plain": None, **{name: name for name in names}}
-    runs, nbytes = {}, {}
+    runs, nbytes, op_counts = {}, {}, {}
     for name, balancer in configs.items():
         tr = Trainer(model, _optimizer(balancer), balancer=None if balancer is None else _balancer(balancer),
                      shared=getattr(model, "shared_param_patterns", None),
@@ -216,6 +233,8 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
         runs[name] = [tr, state]
         if cost:
             nbytes[name] = _bytes_accessed(tr, state, host_batch, counts)
+        if ops:
+            op_counts[name] = _op_counts(tr, state, host_batch, counts)
     times = {name: [] for name in configs}
     cpu = {name: [] for name in configs}
     order = list(configs)
@@ -250,6 +269,8 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     if cost:
         out["plain_mb_accessed"] = round(nbytes["plain"] / 1e6, 1)
         out["bytes_ratio"] = {name: round(nbytes[name] / nbytes["plain"], 3) for name in names}
+    if ops:
+        out["ops"] = op_counts
     return ratios, out
 
 
@@ -298,6 +319,8 @@ def main(argv=None):
     p.add_argument("--balancers", default="", help="comma-separated subset of ktx.optim.BALANCERS")
     p.add_argument("--cost", action="store_true",
                    help="also XLA's bytes accessed per step, balanced / plain (compiles twice)")
+    p.add_argument("--ops", action="store_true",
+                   help="also the compiled steps' instruction, fusion, sort and while-loop counts")
     args = p.parse_args(argv)
     trainer_ratios, trainer_times = {}, {}
     for key, setup, per_task in (("t5_tiny", _t5_setup, args.t5_rows_per_task),
@@ -306,7 +329,7 @@ def main(argv=None):
         counts = (per_task,) * T
         trainer_ratios[key], trainer_times[key] = trainer_path(
             model, batch, counts, args.steps, args.repeats, sparse,
-            [b for b in args.balancers.split(",") if b] or None, args.cost)
+            [b for b in args.balancers.split(",") if b] or None, args.cost, args.ops)
         print(json.dumps({"trainer_path": {key: trainer_ratios[key]}}), flush=True)
     result = {
         "benchmark": "per_task_grads",
