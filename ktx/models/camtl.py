@@ -212,11 +212,10 @@ class CaMtlEncoder(nn.Module):
         n = self.config.num_layers
         base = self.camtl.variant == "base"
         if self.config.scan_layers:
-            hidden.extend(self._scanned_layers(x, z, mask_bias, deterministic))
+            outputs, top_attention = self._scanned_layers(x, z, mask_bias, deterministic)
+            hidden.extend(outputs)
             if base:  # the top layer's adapter, after the scan (it is the last step)
-                hidden[n] = self.conditioning.adapt(n - 1, z, *hidden[n])
-            else:
-                hidden[n] = hidden[n][0]
+                hidden[n] = self.conditioning.adapt(n - 1, z, hidden[n], top_attention)
             x = hidden[n]
         else:
             for i, layer in enumerate(self.layers):
@@ -237,13 +236,12 @@ class CaMtlEncoder(nn.Module):
         pooled = bert.pool_hidden(last, mask, self.pooler, self.pooling) if self.pool else None
         return CaMtlOutput(last, pooled, tuple(hidden))
 
-    def _scanned_layers(self, x, z, mask_bias, deterministic) -> list:
+    def _scanned_layers(self, x, z, mask_bias, deterministic) -> tuple[list, Array]:
         """The scanned stack: each layer's conditioning (attention bias, layer-norm FiLMs:
         `conditioning/layers_<i>`, per layer in both layouts) computed first and stacked
         `[n, ...]`, plain-LN layers given the identity FiLM (`LayerNormFiLM.identity`:
-        the same numbers); returns layer outputs `[B, L, E]` for layers `0 .. n-2` and
-        `(output, attention sub-block output)` for the top layer (Base's adapter takes
-        both)."""
+        the same numbers); returns every layer's output `[B, L, E]` and the top layer's
+        attention sub-block output (Base's adapter takes it)."""
         n = self.config.num_layers
         identity = LayerNormFiLM.identity(x.shape[0], self.config.hidden_size,
                                           self.camtl.layer_norm_form)
@@ -255,7 +253,7 @@ class CaMtlEncoder(nn.Module):
         task_bias, attention_ln, output_ln = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         _, (outputs, attention) = self.layers(x, mask_bias, task_bias, attention_ln, output_ln,
                                               deterministic)
-        return [outputs[i] for i in range(n - 1)] + [(outputs[n - 1], attention[n - 1])]
+        return [outputs[i] for i in range(n)], attention[n - 1]
 
 
 class CaMtlClassifier(CaMtlEncoder):

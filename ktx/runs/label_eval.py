@@ -79,12 +79,7 @@ class LabelEvaluator(SplitEvaluator):
 
     kind = "metrics"
 
-    def __init__(self, eval_input: Any = None, *, split: str = "validation",
-                 batch_size: int | None = None):
-        super().__init__(eval_input, split=split, batch_size=batch_size)
-
     def _device_fn(self, model: Any):
-
         def fn(params, batch):
             return tuple(model.logits(params, batch)), batch["label"]
 

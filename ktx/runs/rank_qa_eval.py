@@ -82,7 +82,6 @@ class AnswerRankingEvaluator(SplitEvaluator):
         self.threshold = float(threshold)
 
     def _device_fn(self, model: Any):
-
         def fn(params, batch):
             return predict_scores(model, params, batch), batch["label"]
 

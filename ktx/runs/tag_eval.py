@@ -70,10 +70,6 @@ class TaggingEvaluator(SplitEvaluator):
 
     kind = "entities"
 
-    def __init__(self, eval_input: Any = None, *, split: str = "validation",
-                 batch_size: int | None = None):
-        super().__init__(eval_input, split=split, batch_size=batch_size)
-
     def _device_fn(self, model: Any):
         _head_kinds(model)
 
