@@ -5,6 +5,8 @@ model's own `input_spec`, so nothing is allocated: T5.1.1 XXL with any condition
 counted on a laptop. Parameters under a `conditioning` scope (where every module of
 `ktx.conditioning` lives) are task-conditioned; everything else is the backbone, which
 is exactly the plain T5, so `ratio = total / backbone` is the size relative to plain T5.
+A model's `frozen_patterns` (`ktx.treepath.select`: whole leaves and the frozen rows of a
+scanned stack) give the `frozen` and `trainable` counts.
 
 `hyperprompt_global_closed_form` is the closed form of He et al., 2022 (HyperPrompt) for
 the HyperPrompt-Global parameters of one Transformer side.
@@ -75,8 +77,9 @@ def count_parameters(
         models do not depend on them; defaults: 1 row, `{"inputs": 8, "targets": 8}`).
 
     Returns:
-      dict with `backbone`, `task_conditioned`, `total` (ints), `ratio` (total /
-      backbone), `num_tasks`, and `modules`: `{"conditioning/<module>": count}` for each
+      dict with `backbone`, `task_conditioned`, `total`, `frozen` and `trainable` (ints;
+      `frozen` from the model's `frozen_patterns`), `ratio` (total / backbone),
+      `num_tasks`, and `modules`: `{"conditioning/<module>": count}` for each
       task-conditioned module.
     """
     if not hasattr(model, "init_variables") or not hasattr(model, "input_spec"):
@@ -87,8 +90,14 @@ def count_parameters(
     lengths = dict(feature_lengths or {"inputs": 8, "targets": 8})
     spec = model.input_spec(batch_size, lengths)
     abstract = jax.eval_shape(model.init_variables, jax.random.key(0), spec)
-    params = abstract["params"] if "params" in abstract else abstract
+    params = nn.meta.unbox(abstract["params"] if "params" in abstract else abstract)
     counts = count_tree(params)
+    frozen_selection = tuple(getattr(model, "frozen_patterns", ()) or ())
+    frozen = 0
+    if frozen_selection:
+        selected = treepath.select(params, frozen_selection, what="frozen pattern")
+        frozen = sum(treepath.selected_size(leaf, m) for leaf, m in zip(
+            jax.tree.leaves(params), jax.tree.leaves(selected)))
     conditioned = {p: n for p, n in counts.items() if is_conditioning_path(p)}
     backbone = sum(n for p, n in counts.items() if p not in conditioned)
     modules: dict[str, int] = {}
@@ -103,6 +112,8 @@ def count_parameters(
         "backbone": backbone,
         "task_conditioned": task_conditioned,
         "total": total,
+        "frozen": frozen,
+        "trainable": total - frozen,
         "ratio": total / backbone if backbone else float("nan"),
         "modules": dict(sorted(modules.items())),
     }
@@ -118,6 +129,11 @@ def format_report(report: Mapping[str, Any], *, name: str | None = None) -> str:
         f"backbone:         {report['backbone']:,}",
         f"task-conditioned: {report['task_conditioned']:,}",
         f"total:            {report['total']:,}",
+    ]
+    if report.get("frozen"):
+        lines += [f"frozen:           {report['frozen']:,}",
+                  f"trainable:        {report['trainable']:,}"]
+    lines += [
         f"ratio to plain:   {report['ratio']:.4f}x",
     ]
     for module, n in report.get("modules", {}).items():

@@ -73,9 +73,7 @@ encoder, the classifier, the model and the entropy used by MT-uncertainty sampli
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -83,7 +81,7 @@ import jax
 import jax.numpy as jnp
 
 from ktx import treepath
-from ktx.analysis.params import CONDITIONING_SCOPE
+from ktx.analysis.params import CONDITIONING_SCOPE, count_parameters
 from ktx.models import bert, encoder
 from ktx.models.encoder import normalised_entropy, row_normalised_entropy
 from ktx.models.base import Batch
@@ -289,32 +287,22 @@ class CaMtlClassifier(CaMtlEncoder):
 # -------------------------------------------------------------------- frozen parameters
 
 
-def frozen_patterns(num_layers: int, frozen_layers: int | str = 0) -> tuple[str, ...]:
-    """Regexes (full match on '/'-joined paths, as `ktx.training.optimizers.freeze`) of the
-    parameters that do not train (`encoder.frozen_layer_patterns`): with `frozen_layers =
-    k > 0` (or "half": `num_layers // 2`), BERT's embeddings and layers `0 .. k-1`. Their
-    task-conditioned parameters (in `conditioning/`), the upper layers, the pooler and the
-    heads train (the paper's setting: the bottom half and the embeddings frozen; the
-    authors' run freezes layers 0-4 of Base and 0-11 of Large).
+def frozen_patterns(num_layers: int, frozen_layers: int | str = 0, *,
+                    scanned: bool = False) -> tuple[str | treepath.Rows, ...]:
+    """The parameters that do not train (`encoder.frozen_layer_patterns`): with
+    `frozen_layers = k > 0` (or "half": `num_layers // 2`), BERT's embeddings and layers
+    `0 .. k-1` (rows `0 .. k-1` of the stacked leaves when `scanned`). Their task-conditioned
+    parameters (in `conditioning/`), the upper layers, the pooler and the heads train (the
+    paper's setting: the bottom half and the embeddings frozen; the authors' run freezes
+    layers 0-4 of Base and 0-11 of Large).
     """
-    return encoder.frozen_layer_patterns(num_layers, frozen_layers)
-
-
-def _frozen_mask(params: Any, patterns: Sequence[str]) -> Any:
-    compiled = [re.compile(p) for p in patterns]
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: any(rx.fullmatch(treepath.name(path)) for rx in compiled), params)
+    return encoder.frozen_layer_patterns(num_layers, frozen_layers, scanned=scanned)
 
 
 def trainable_parameters(model: CaMtlClassifierModel) -> dict[str, int]:
     """`{"total", "frozen", "trainable"}` parameter counts of `model` from shapes only."""
-    spec = model.input_spec(1, {"inputs": model.camtl.max_seq_length})
-    abstract = nn.unbox(jax.eval_shape(model.init_variables, jax.random.key(0), spec)["params"])
-    mask = _frozen_mask(abstract, model.frozen_patterns)
-    sizes = jax.tree.map(lambda a: math.prod(a.shape), abstract)
-    total = sum(jax.tree.leaves(sizes))
-    frozen = sum(s for s, m in zip(jax.tree.leaves(sizes), jax.tree.leaves(mask)) if m)
-    return {"total": total, "frozen": frozen, "trainable": total - frozen}
+    report = count_parameters(model, feature_lengths={"inputs": model.camtl.max_seq_length})
+    return {k: report[k] for k in ("total", "frozen", "trainable")}
 
 
 # -------------------------------------------------------------------- model

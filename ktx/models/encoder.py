@@ -51,7 +51,8 @@ Options every ktx encoder classifier shares (CA-MTL, PALs and TEA subclass this 
 `shared_layers = k` puts k new task-shared BERT layers between the encoder and the pooler
 (`bert.SharedTopLayers`, scope `shared_layers`; SlapBERT's shared layer);
 `frozen_layers = k` (or "half") freezes BERT's embeddings and layers `0 .. k-1`
-(`frozen_patterns`, applied by the Trainer; their gradients are stopped in the loss);
+(`frozen_patterns`, applied by the Trainer; their gradients are stopped in the loss), in
+either layout: a scanned stack freezes rows `0 .. k-1` of its stacked leaves;
 `logits(..., embedding_perturbation=δ)` adds `δ [B, L, E]` to the embedding output
 (`ktx.models.smart`; not with a cosine head).
 Labels outside `[0, n_t)` of a classification task cannot be checked under jit: they are
@@ -61,14 +62,15 @@ clipped; validate them in the task's preprocessing.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ktx import treepath
 from ktx.models import bert
 from ktx.models.base import (
     LOSS_NORMALIZATIONS,
@@ -228,12 +230,15 @@ def needs_pooling(head_kinds: Sequence[str] | None) -> bool:
     return bool({SEQUENCE, COSINE} & set(head_kinds or (SEQUENCE,)))
 
 
-def frozen_layer_patterns(num_layers: int, frozen_layers: int | str = 0) -> tuple[str, ...]:
-    """Regexes (full match on '/'-joined paths, as `ktx.training.optimizers.freeze`) of
-    the parameters that do not train with `frozen_layers = k > 0` (or "half":
-    `num_layers // 2`): BERT's `embeddings/.*` and `layers_0 .. layers_{k-1}`. Everything
-    else trains: the upper layers, shared top layers (`shared_layers/...`), a method's
-    `conditioning/...` parameters (also those of frozen layers), the pooler and the heads."""
+def frozen_layer_patterns(num_layers: int, frozen_layers: int | str = 0, *,
+                          scanned: bool = False) -> tuple[str | treepath.Rows, ...]:
+    """The parameters that do not train with `frozen_layers = k > 0` (or "half":
+    `num_layers // 2`), in the selection format of `ktx.training.optimizers.freeze`
+    (regexes fully matching '/'-joined paths, and `treepath.Rows`): BERT's `embeddings/.*`
+    and layers `0 .. k-1`, as `layers_<i>/.*` unrolled and as rows `0 .. k-1` of the stacked
+    `layers/.*` leaves when `scanned`. Everything else trains: the upper layers, shared top
+    layers (`shared_layers/...`), a method's `conditioning/...` parameters (also those of
+    frozen layers), the pooler and the heads."""
     if frozen_layers == "half":
         frozen_layers = num_layers // 2
     if isinstance(frozen_layers, bool) or not isinstance(frozen_layers, int) \
@@ -242,22 +247,29 @@ def frozen_layer_patterns(num_layers: int, frozen_layers: int | str = 0) -> tupl
             f"frozen_layers={frozen_layers!r}; accepted: 'half' or an int in 0..{num_layers}")
     if not frozen_layers:
         return ()
+    if scanned:
+        return ("embeddings/.*", treepath.Rows("layers/.*", 0, frozen_layers))
     layers = "|".join(str(i) for i in range(frozen_layers))
     return ("embeddings/.*", f"layers_(?:{layers})/.*")
 
 
-def stop_frozen_gradients(params: Any, patterns: Sequence[str]) -> Any:
-    """`params` with `lax.stop_gradient` on the leaves whose path fully matches one of
-    `patterns`: the backward pass skips what the optimizer would zero anyway."""
+def stop_frozen_gradients(params: Any, patterns: treepath.Selection) -> Any:
+    """`params` with `lax.stop_gradient` on what `patterns` selects (`treepath.select`):
+    whole leaves, and the frozen rows of a scanned stack's leaves (`treepath.Rows`). The
+    backward pass skips what the optimizer would zero anyway (a partly frozen stacked leaf
+    still computes its whole gradient, whose frozen rows are then zero)."""
     if not patterns:
         return params
-    compiled = [re.compile(p) for p in patterns]
 
-    def stop(path, leaf):
-        name = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-        return jax.lax.stop_gradient(leaf) if any(rx.fullmatch(name) for rx in compiled) else leaf
+    def stop(selected, leaf):
+        if selected is True:
+            return jax.lax.stop_gradient(leaf)
+        if isinstance(selected, np.ndarray):
+            rows = jnp.asarray(selected).reshape((-1,) + (1,) * (leaf.ndim - 1))
+            return jnp.where(rows, jax.lax.stop_gradient(leaf), leaf)
+        return leaf
 
-    return jax.tree_util.tree_map_with_path(stop, params)
+    return jax.tree.map(stop, treepath.select(params, patterns, strict=False), params)
 
 
 class EncoderClassifierModel(BaseModel):
@@ -343,15 +355,10 @@ class EncoderClassifierModel(BaseModel):
         self.loss_normalization = loss_normalization
         self.shared_layers = bert.check_shared_layers(type(self).__name__, shared_layers)
         try:
-            self.frozen_patterns = frozen_layer_patterns(config.num_layers, frozen_layers)
+            self.frozen_patterns = frozen_layer_patterns(
+                config.num_layers, frozen_layers, scanned=config.scan_layers)
         except ValueError as e:
             raise ValueError(f"{type(self).__name__}.{e}") from e
-        if self.frozen_patterns and config.scan_layers:
-            raise ValueError(
-                f"{type(self).__name__}.frozen_layers={frozen_layers!r} with "
-                "BertConfig.scan_layers=True (gin macro SCAN_LAYERS): a scanned stack holds "
-                "every layer in one stacked parameter, which trains or freezes as a whole; "
-                "accepted: FROZEN_LAYERS = 0, or SCAN_LAYERS = False to freeze bottom layers")
         self.frozen_layers = frozen_layers
         self.pooling = bert.check_pooling(type(self).__name__, pooling)
         self.head_kinds = check_head_kinds(type(self).__name__, head_kinds, self.num_tasks)

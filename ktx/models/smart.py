@@ -67,12 +67,12 @@ activations (`BertConfig.dtype`), and see `projection="code"`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ktx import treepath
 from ktx.models import encoder
@@ -145,11 +145,22 @@ def teacher_update(teacher: Any, params: Any, beta: float | Array) -> Any:
     return jax.tree.map(update, teacher, params, is_leaf=lambda x: x is None)
 
 
-def full_teacher(teacher: Any, params: Any) -> Any:
+def full_teacher(teacher: Any, params: Any, frozen: treepath.Selection = ()) -> Any:
     """The teacher's parameters for a forward pass: its leaves, and `params`' where the
-    teacher holds None (frozen parameters, equal in θ and θ̃)."""
-    return jax.tree.map(lambda s, p: p if s is None else s, teacher, params,
-                        is_leaf=lambda x: x is None)
+    teacher holds None (frozen parameters, equal in θ and θ̃) or where `frozen` (the model's
+    `frozen_patterns`) names rows of a scanned stack's leaf (`treepath.Rows`): those rows are
+    read from θ, as the unrolled layout reads their frozen layers."""
+    rows = treepath.select(params, frozen, strict=False) if frozen else \
+        jax.tree.map(lambda _: False, params)
+
+    def pick(s, p, m):
+        if s is None:
+            return p
+        if isinstance(m, np.ndarray):
+            return jnp.where(jnp.asarray(m).reshape((-1,) + (1,) * (p.ndim - 1)), p, s)
+        return s
+
+    return jax.tree.map(pick, teacher, params, rows, is_leaf=lambda x: x is None)
 
 
 def momentum_schedule(values: Sequence[float] = (0.99, 0.999),
@@ -190,7 +201,8 @@ def proximal_sums(base: encoder.EncoderClassifierModel, params: Any, teacher: An
     leaves of `teacher` are read from `params` (`full_teacher`). `SmartModel` computes the
     same inside its loss, reusing the student's forward of the adversarial term."""
     student = base.logits(params, batch, rng, train)
-    fixed = base.logits(jax.lax.stop_gradient(full_teacher(teacher, params)), batch, rng, train)
+    fixed = base.logits(jax.lax.stop_gradient(full_teacher(teacher, params, base.frozen_patterns)),
+                        batch, rng, train)
     d = row_divergence(base.num_labels, student, fixed, batch["task_id"], _token_mask(base, batch))
     return segment_sum_by_task(d * base.row_weights(batch), batch["task_id"], base.num_tasks)
 
@@ -310,17 +322,15 @@ class SmartModel(BaseModel):
 
     # -- the proximal term's teacher: the model state -----------------------------------
 
-    def _frozen(self, path) -> bool:
-        name = treepath.name(path)
-        return any(re.fullmatch(p, name) for p in self.frozen_patterns)
-
     def init_model_state(self, params: Any) -> Any:
         """`{"teacher": θ̃_1}` = the step-0 parameters (Algorithm 1, line 1), None for a
-        frozen parameter (read from θ, which it equals); None with μ = 0."""
+        frozen parameter (read from θ, which it equals); None with μ = 0. A scanned stack's
+        partly frozen leaf is copied whole (its frozen rows equal θ's and stay so)."""
         if self.proximal_weight == 0.0:
             return None
-        teacher = jax.tree_util.tree_map_with_path(
-            lambda path, p: None if self._frozen(path) else jnp.array(p, copy=True), params)
+        frozen = treepath.select(params, self.frozen_patterns, strict=False)
+        teacher = jax.tree.map(lambda m, p: None if m is True else jnp.array(p, copy=True),
+                               frozen, params)
         return {"teacher": teacher}
 
     def momentum(self, step: Array) -> Array:
@@ -365,7 +375,8 @@ class SmartModel(BaseModel):
                              "and dropout)")
         teacher = None
         if proximal:  # before the frozen leaves' stop_gradient: the teacher reads θ's
-            teacher = jax.lax.stop_gradient(full_teacher(model_state["teacher"], params))
+            teacher = jax.lax.stop_gradient(
+                full_teacher(model_state["teacher"], params, base.frozen_patterns))
         params = encoder.stop_frozen_gradients(params, base.frozen_patterns)
         clean = base.logits(params, batch, rng, train)
         sums, aux = base.loss_sums_from_logits(clean, batch)

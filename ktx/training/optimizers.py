@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ktx import treepath
@@ -161,44 +162,56 @@ def sgd(learning_rate: float | Schedule = 1e-2, momentum: float | None = None):
     return optax.sgd(learning_rate, momentum=momentum)
 
 
-def frozen_mask(params: Any, frozen: Sequence[str]) -> Any:
-    """A pytree of bools like `params`: True where a path fully matches a pattern.
+def frozen_mask(params: Any, frozen: treepath.Selection) -> Any:
+    """A pytree like `params` of what `frozen` names (`ktx.treepath.select`): `True` where a
+    path fully matches a regex, `False` where nothing does, and a bool vector over the
+    leading axis where `treepath.Rows` entries freeze some rows of a stacked (scanned) leaf.
 
-    Raises ValueError naming a pattern that is not a valid regex or matches nothing
-    (a typo would otherwise silently train everything).
+    Raises ValueError naming an entry that is not a valid regex, matches nothing (a typo
+    would otherwise silently train everything) or has rows outside a leaf.
     """
     if isinstance(frozen, str):
         raise TypeError(f"frozen={frozen!r} must be a list of regexes, not a string")
-    compiled = []
-    for pattern in frozen:
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as e:
-            raise ValueError(f"frozen pattern {pattern!r} is not a valid regex: {e}") from e
-    paths = treepath.names(params)
-    for pattern, rx in zip(frozen, compiled):
-        if not any(rx.fullmatch(p) for p in paths):
-            raise ValueError(
-                f"frozen pattern {pattern!r} matches no parameter; parameter paths "
-                f"look like {paths[:5]}"
-            )
-    return jax.tree_util.tree_map_with_path(
-        lambda p, _: any(rx.fullmatch(treepath.name(p)) for rx in compiled), params
-    )
+    return treepath.select(params, frozen, what="frozen pattern")
 
 
-def freeze(tx: optax.GradientTransformation, frozen: Sequence[str] = ()) -> Any:
+def _zero_frozen_rows(frozen: tuple) -> optax.GradientTransformation:
+    """Zeroes the frozen rows (`treepath.Rows`) of partly frozen leaves' updates, after the
+    optimizer: weight decay and momentum never move a frozen row."""
+
+    def update(updates, state, params=None):
+        del params
+        mask = frozen_mask(updates, frozen)
+
+        def zero(rows, u):
+            if not isinstance(rows, np.ndarray):
+                return u
+            keep = jnp.asarray(~rows).reshape((-1,) + (1,) * (u.ndim - 1))
+            return jnp.where(keep, u, jnp.zeros_like(u))
+
+        return jax.tree.map(zero, mask, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def freeze(tx: optax.GradientTransformation, frozen: treepath.Selection = ()) -> Any:
     """`tx` for trainable parameters; zero updates (and no optimizer state) for the
-    parameters whose '/'-joined path fully matches one of the `frozen` regexes."""
+    parameters whose '/'-joined path fully matches one of the `frozen` regexes. A
+    `treepath.Rows` entry freezes rows of a scanned stack's leaves: those leaves keep `tx`'s
+    state whole (their frozen rows' gradients are zero), and their frozen rows' updates are
+    zeroed after `tx` (so decoupled weight decay does not move them)."""
     if not frozen:
         return tx
     frozen = tuple(frozen)
 
     def labels(params):
         mask = frozen_mask(params, frozen)
-        return jax.tree.map(lambda m: "frozen" if m else "trainable", mask)
+        return jax.tree.map(lambda m: "frozen" if m is True else "trainable", mask)
 
-    return optax.multi_transform({"trainable": tx, "frozen": optax.set_to_zero()}, labels)
+    tx = optax.multi_transform({"trainable": tx, "frozen": optax.set_to_zero()}, labels)
+    if any(isinstance(entry, treepath.Rows) for entry in frozen):
+        tx = optax.chain(tx, _zero_frozen_rows(frozen))
+    return tx
 
 
 class DelayState(NamedTuple):

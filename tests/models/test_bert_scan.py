@@ -2,7 +2,8 @@
 `scan_layout.convert_layout` gives (logits and gradients), composes with remat, keeps
 the shared top layers apart; PALs and TEA-BERT scan with their per-layer tables stacked
 (same logits and gradients); so does CA-MTL, whose per-layer conditioning differs from
-layer to layer and stays per layer."""
+layer to layer and stays per layer. A scanned stack freezes its bottom layers as rows of
+the stacked leaves, and trains as the unrolled model does."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ktx import partitioning
-from ktx.models import bert, camtl, encoder, pals, scan_layout, tea
+from ktx import partitioning, treepath
+from ktx.analysis.params import count_parameters, format_report
+from ktx.models import bert, camtl, encoder, pals, scan_layout, smart, tea
+from ktx.training import optimizers
+from ktx.training import trainer as trainer_lib
 
 CONFIG = bert.BertConfig(vocab_size=40, hidden_size=16, num_layers=3, num_heads=2,
                          intermediate_size=32, max_position=16, dropout_rate=0.0,
@@ -186,14 +190,81 @@ def test_scanned_stack_refusals():
         tea.TeaClassifierModel(config, num_labels=(3, 1), task_layers=(1,))
     with pytest.raises(ValueError, match="BertConfig.scan_layers='yes'"):
         bert.BertConfig(scan_layers="yes")
-    for build in (lambda: encoder.EncoderClassifierModel(config, num_labels=(3, 1),
-                                                         frozen_layers=1),
-                  lambda: METHODS["pals"](config, frozen_layers="half"),
-                  lambda: camtl.CaMtlClassifierModel(  # the paper's frozen bottom half
-                      config, camtl=camtl.CaMtlConfig(max_seq_length=8), num_labels=(3, 1),
-                      frozen_layers="half")):
-        with pytest.raises(ValueError, match=r"frozen_layers=.* with BertConfig.scan_layers=True"):
-            build()
+
+
+FROZEN = {  # method -> (model from (config, frozen_layers), frozen_layers)
+    "pals": (lambda config, **kw: METHODS["pals"](config, **kw), "half"),
+    "camtl": (lambda config, **kw: camtl.CaMtlClassifierModel(  # the paper's frozen half
+        config, camtl=camtl.CaMtlConfig("base", 8), num_labels=(3, 1), **kw), "half"),
+    "smart": (lambda config, **kw: smart.SmartModel(
+        encoder.EncoderClassifierModel(config, num_labels=(3, 1), shared_layers=1, **kw),
+        weight=1.0, noise_std=1e-2, step_size=1e-2, epsilon=1e-2, proximal_weight=1.0,
+        teacher_momentum=0.5), 2),
+}
+
+
+@pytest.mark.parametrize("method", sorted(FROZEN))
+def test_scanned_frozen_layers_train_as_unrolled(method):
+    """`frozen_layers = k` with a scanned stack freezes rows `0 .. k-1` of the stacked
+    leaves (`treepath.Rows`): after AdamW steps with weight decay, from the same parameters,
+    the scanned run's parameters (and SMART's teacher) converted back equal the unrolled
+    run's, its frozen rows are bit-identical to the start, and its unfrozen rows moved."""
+    build, frozen_layers = FROZEN[method]
+    config = dataclasses.replace(CONFIG, num_layers=4)
+    unrolled = build(config, frozen_layers=frozen_layers)
+    scanned = build(dataclasses.replace(config, scan_layers=True), frozen_layers=frozen_layers)
+    k = 2 if frozen_layers == "half" else frozen_layers
+    assert scanned.frozen_patterns == ("embeddings/.*", treepath.Rows("layers/.*", 0, k))
+    batch = {k: jnp.concatenate([v, v]) for k, v in _batch().items()}  # 8 rows: 8 devices
+    params = _perturbed(nn.unbox(unrolled.init_variables(jax.random.key(0), batch)["params"]))
+    stacked = scan_layout.convert_layout(params, scanned=True)
+    runs = []
+    for model, start in ((unrolled, params), (scanned, stacked)):
+        # eps=1e-3: Adam would blow the rounding noise of the key bias's zero gradient
+        # (softmax ignores it) up to full-size steps that differ between the layouts.
+        tr = trainer_lib.Trainer(model, optimizers.adamw(1e-2, eps=1e-3, weight_decay=0.1))
+        tr.create_abstract_state(batch)
+        state = tr.init_rest_of_state(jax.tree.map(jnp.copy, start))  # the step donates
+        for step in range(2):
+            state, metrics = tr.train_step(state, batch, jax.random.key(step))
+        assert np.isfinite(float(metrics["loss"]))
+        runs.append(state)
+    want, got = runs[0].params, scan_layout.convert_layout(runs[1].params, scanned=False)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=str(path))
+    layers = runs[1].params["layers"]
+    for start, end in zip(jax.tree.leaves(stacked["layers"]), jax.tree.leaves(layers)):
+        np.testing.assert_array_equal(start[:k], end[:k])
+        assert not np.array_equal(start[k:], end[k:])
+    if method == "smart":  # the teacher: the partly frozen leaves whole, their frozen rows θ's
+        teacher = runs[1].model_state["teacher"]
+        assert teacher["embeddings"]["word_embeddings"]["embedding"] is None
+        full = smart.full_teacher(teacher, runs[1].params, scanned.frozen_patterns)
+        unrolled_full = smart.full_teacher(runs[0].model_state["teacher"], runs[0].params)
+        for a, b in zip(jax.tree.leaves(unrolled_full),
+                        jax.tree.leaves(scan_layout.convert_layout(full, scanned=False))):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_a_partly_frozen_stack_counts_and_refuses_bad_rows():
+    """`ktx params`' counts (`count_parameters`): the frozen rows of the stacked leaves
+    count as frozen, the same totals as unrolled; `treepath.Rows` outside a leaf's rows, or
+    matching nothing, is a clear error."""
+    config = dataclasses.replace(CONFIG, num_layers=4)
+    reports = [count_parameters(encoder.EncoderClassifierModel(
+        dataclasses.replace(config, scan_layers=scan), num_labels=(3, 1), frozen_layers=3))
+        for scan in (False, True)]
+    assert reports[0] == reports[1] and 0 < reports[0]["frozen"] < reports[0]["total"]
+    assert "frozen:" in format_report(reports[1])
+    params = {"layers": {"kernel": np.zeros((4, 2))}, "head": np.zeros(3)}
+    with pytest.raises(ValueError, match=r"Rows\(pattern='layers/.\*', start=0, stop=5\).*4 rows"):
+        optimizers.frozen_mask(params, [treepath.Rows("layers/.*", 0, 5)])
+    with pytest.raises(ValueError, match="matches no parameter"):
+        optimizers.frozen_mask(params, [treepath.Rows("stack/.*", 0, 2)])
+    with pytest.raises(ValueError, match="selects no row"):
+        treepath.Rows("layers/.*", 2, 2)
+    mask = optimizers.frozen_mask(params, ["head", treepath.Rows("layers/.*", 1, 3)])
+    assert mask["head"] is True and mask["layers"]["kernel"].tolist() == [False, True, True, False]
 
 
 @pytest.mark.parametrize("variant,form,remat", [("base", "code", "none"),
