@@ -39,6 +39,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ktx.models.t5_stack import recompute_elementwise
+
 __all__ = [
     "Batch", "BaseModel", "LOSS_NORMALIZATIONS", "ROW_ID", "RowDropout", "dropout_keyed_by_row",
     "row_ids", "row_keys", "segment_sum_by_task", "with_row_ids",
@@ -101,8 +103,12 @@ def _row_masked(x: jax.Array, rate: float, key: jax.Array, ids: jax.Array,
         shape[d] = 1
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, ids)
     keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, tuple(shape[1:])))(keys)
-    keep = jnp.broadcast_to(keep, x.shape)
-    return jax.lax.select(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+    def apply(x, keep):  # the backward pass keeps only the (unbroadcast) bool mask
+        return jax.lax.select(jnp.broadcast_to(keep, x.shape), x / (1.0 - rate),
+                              jnp.zeros_like(x))
+
+    return recompute_elementwise(apply)(x, keep)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ktx.models.t5_stack import recompute_elementwise
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, RELPOS_BUCKETS, VOCAB
 
 __all__ = [
@@ -137,9 +138,6 @@ class RMSNorm(nn.Module):
         """`x` `[B, L, E]`; `scale` `None` (learned `[E]` parameter `scale`, axis `embed`)
         or a per-example `[B, E]` (or `[E]`) scale that replaces the learned one."""
         features = x.shape[-1]
-        x32 = jnp.asarray(x, jnp.float32)
-        var = jnp.mean(lax.square(x32), axis=-1, keepdims=True)
-        y = jnp.asarray(x32 * lax.rsqrt(var + self.epsilon), self.dtype)
         if scale is None:
             scale = self.param(
                 "scale", nn.with_logical_partitioning(nn.initializers.ones, (EMBED,)),
@@ -155,7 +153,14 @@ class RMSNorm(nn.Module):
                 )
             if scale.ndim == 2:
                 scale = scale.reshape((scale.shape[0],) + (1,) * (x.ndim - 2) + (features,))
-        return y * jnp.asarray(scale, self.dtype)
+
+        def normalise(x, scale):
+            x32 = jnp.asarray(x, jnp.float32)
+            var = jnp.mean(lax.square(x32), axis=-1, keepdims=True)
+            y = jnp.asarray(x32 * lax.rsqrt(var + self.epsilon), self.dtype)
+            return y * jnp.asarray(scale, self.dtype)
+
+        return recompute_elementwise(normalise)(x, scale)
 
 
 class MlpBlock(nn.Module):
@@ -171,12 +176,19 @@ class MlpBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, deterministic: bool = True) -> Array:
-        hidden = None
-        for idx, act in enumerate(self.activations):
-            name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
-            h = DenseGeneral((self.intermediate_dim,), (EMBED, MLP), dtype=self.dtype, name=name)(x)
-            h = _ACTIVATIONS[act](h)
-            hidden = h if hidden is None else hidden * h
+        names = ["wi"] if len(self.activations) == 1 else \
+            [f"wi_{idx}" for idx in range(len(self.activations))]
+        projected = [DenseGeneral((self.intermediate_dim,), (EMBED, MLP), dtype=self.dtype,
+                                  name=name)(x) for name in names]
+
+        def gated(*projected):
+            hidden = None
+            for act, h in zip(self.activations, projected):
+                h = _ACTIVATIONS[act](h)
+                hidden = h if hidden is None else hidden * h
+            return hidden
+
+        hidden = recompute_elementwise(gated)(*projected)
         hidden = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(hidden, deterministic)
         hidden = nn.with_logical_constraint(hidden, (BATCH, LENGTH, MLP))
         out = DenseGeneral((x.shape[-1],), (MLP, EMBED), dtype=self.dtype, name="wo")(hidden)

@@ -8,16 +8,20 @@ rematerialisation (the T5X scalable-T5 options).
   (`jax.checkpoint_policies.dots_saveable`), and recomputes only the elementwise work
   between them; `"full"` saves nothing but each layer's input. Applied per layer
   (`nn.remat` on the layer module): the numbers are those of `"none"`. A scanned stack
-  runs fastest with `"dots"` or `"minimal"`: without remat the scan carries every
-  elementwise intermediate across the loop boundary as a saved `[L, ...]` stack, which
-  an unrolled stack fuses away (T5.1.1-Small on XLA:CPU, docs/scale.md: scanned 'none'
-  1.30x the unrolled step, scanned 'dots' 1.01x).
+  runs fastest with `"dots"` or `"minimal"` (T5.1.1-Small on XLA:CPU, docs/scale.md:
+  scanned 'dots' 0.96x the unrolled step without remat, scanned 'none' 1.06x).
 * `scan_layers` (`T5Config.scan_layers`): the stack is one `nn.scan` over one layer
   definition, so XLA compiles one layer instead of `L`. Parameters (and the decode
   cache, and sown intermediates) are stacked on a leading `layers` axis under the scope
   `layers` (e.g. `encoder/layers/attention/query/kernel` `[L, E, H, D]`), annotated with
   the logical axis `ktx.partitioning.LAYERS`, which the standard rules never shard.
   `ktx.models.scan_layout` converts parameter trees between the two layouts.
+
+Elementwise work between matmuls (activations, the gated product, RMSNorm, dropout's
+select) runs under `recompute_elementwise`: the backward pass recomputes it from its
+inputs instead of saving its intermediates. An unrolled stack gets this from XLA's
+fusions anyway; a scanned one would otherwise carry every such intermediate (a tanh, a
+broadcast zero, a normalised copy) as an `[L, ...]` residual stack across the loop.
 
 Per-layer inputs of a scanned stack (`layer_inputs`, a pytree whose leaves have a
 leading `[L]` axis; the layer index among them when a hook needs it) are sliced by the
@@ -34,7 +38,8 @@ import jax
 
 from ktx.partitioning import LAYERS
 
-__all__ = ["REMAT_POLICIES", "remat_policy", "check_remat_policy", "layer_class", "run_stack"]
+__all__ = ["REMAT_POLICIES", "check_remat_policy", "layer_class", "recompute_elementwise",
+           "remat_policy", "run_stack"]
 
 REMAT_POLICIES = ("none", "minimal", "dots", "full")
 
@@ -59,6 +64,14 @@ def remat_policy(name: str) -> Any:
     if name == "dots":
         return jax.checkpoint_policies.dots_saveable
     return None
+
+
+def recompute_elementwise(fn: Any) -> Any:
+    """`fn` (elementwise work: no matmul, no parameters created) whose intermediates the
+    backward pass recomputes from `fn`'s inputs instead of saving: `jax.checkpoint` with
+    `prevent_cse=False`, so in an unrolled stack XLA may still share the forward's values.
+    The same numbers; only what is saved for the backward pass changes."""
+    return jax.checkpoint(fn, prevent_cse=False)
 
 
 def layer_class(cls: type, policy: str, static_argnums: Sequence[int], *, scanned: bool) -> type:

@@ -4,6 +4,7 @@ unrolled vs scanned layers (`T5Config.scan_layers`) and remat 'none' / 'minimal'
 
     python tests/benchmarks/layer_options_step.py [--model t5_1_1_small] [--steps 5]
         [--rounds 2] [--batch_size 8] [--inputs 128] [--targets 32]
+        [--variants unrolled/none,scanned/none,...]
 
 Every variant trains the same parameters (converted to its layout) on the same batches
 (random tokens, one task, Adafactor, float32 activations: this CPU has no fast bfloat16);
@@ -11,6 +12,9 @@ after one compiling step each, the variants' timed steps are interleaved in `--r
 rounds of `--steps` steps, so load on the shared cores hits them alike; each variant's
 time is its median step. The last line is one JSON object:
 `{"step_seconds": {variant: s}, "relative_to_unrolled_none": {variant: x}, ...}`.
+`--memory` adds `"grad_temp_mib"`: XLA's temporary buffers of each variant's compiled loss
+gradient (`memory_analysis().temp_size_in_bytes`; the activations kept for the backward pass
+dominate it), one more compile per variant.
 """
 
 from __future__ import annotations
@@ -65,14 +69,23 @@ def main() -> None:
     parser.add_argument("--inputs", type=int, default=128)
     parser.add_argument("--targets", type=int, default=32)
     parser.add_argument("--vocab_size", type=int, default=32128)
+    parser.add_argument("--memory", action="store_true",
+                        help="also report each variant's loss-gradient temporaries (MiB)")
+    parser.add_argument("--variants", default=",".join(f"{a}/{b}" for a, b in VARIANTS),
+                        help="comma-separated layout/remat names (unrolled/none is always run)")
     args = parser.parse_args()
+    wanted = set(args.variants.split(",")) | {"unrolled/none"}
+    unknown = wanted - {f"{a}/{b}" for a, b in VARIANTS}
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; accepted: "
+                     f"{[f'{a}/{b}' for a, b in VARIANTS]}")
     lengths = {"inputs": args.inputs, "targets": args.targets}
     mesh = partitioning.create_mesh(1, devices=jax.devices()[:1])
     batches = [_batch(s, args.batch_size, lengths, args.vocab_size) for s in range(args.steps)]
     rng = jax.random.key(0)
     runs = {}
     params0 = None
-    for layout, remat in VARIANTS:
+    for layout, remat in [v for v in VARIANTS if f"{v[0]}/{v[1]}" in wanted]:
         config = t5.T5Config(vocab_size=args.vocab_size, dropout_rate=0.1,
                              scan_layers=layout == "scanned", remat_policy=remat,
                              **SHAPES[args.model])
@@ -88,7 +101,13 @@ def main() -> None:
         state, m = trainer.train_step(state, batches[0], rng)
         jax.block_until_ready(m["loss"])
         name = f"{layout}/{remat}"
-        runs[name] = {"trainer": trainer, "state": state, "times": [], "losses": [],
+        if args.memory:
+            grad = jax.jit(jax.grad(lambda p, b, r: model.loss_fn(p, b, r)[0]))
+            compiled = grad.lower(state.params, batches[0], rng).compile()
+            temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
+            print(json.dumps({"variant": name, "grad_temp_mib": round(temp_mib, 1)}), flush=True)
+        runs[name] = {"temp_mib": temp_mib if args.memory else None,
+                      "trainer": trainer, "state": state, "times": [], "losses": [],
                       "first_step_s": time.perf_counter() - start}
         print(json.dumps({"variant": name, "first_step_s": round(runs[name]["first_step_s"], 2)}),
               flush=True)
@@ -109,6 +128,8 @@ def main() -> None:
         "relative_to_unrolled_none": {k: round(v / base, 3) for k, v in step.items()},
         "first_step_seconds": {k: round(r["first_step_s"], 2) for k, r in runs.items()},
         "last_loss": {k: round(r["losses"][-1], 5) for k, r in runs.items()},
+        **({"grad_temp_mib": {k: round(r["temp_mib"], 1) for k, r in runs.items()}}
+           if args.memory else {}),
         "model": args.model, "batch_size": args.batch_size, "lengths": lengths,
         "steps_per_variant": args.steps * args.rounds, "backend": jax.default_backend(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",

@@ -74,7 +74,8 @@ def test_same_loss_and_gradients_as_none(policy, conditioning):
 @pytest.mark.parametrize("policy", ["minimal", "full"])
 def test_policy_reaches_the_layers(policy):
     """The backward pass of a rematerialised model holds `checkpoint` (remat) equations,
-    one per layer; 'none' holds none."""
+    one per layer; 'none' holds none. (The elementwise work's own checkpoints,
+    `t5_stack.recompute_elementwise`, run with `prevent_cse=False` and are not counted.)"""
     batch = _batch()
 
     def count(model, params):
@@ -82,7 +83,7 @@ def test_policy_reaches_the_layers(policy):
             return model.loss_sums(p, batch, jax.random.key(3), True)[0].sum()
 
         text = str(jax.make_jaxpr(jax.grad(loss))(params))
-        return text.count("checkpoint[") + text.count("remat2[") + text.count("remat[")
+        return text.count("prevent_cse=True")
 
     params = _params(_model("none"))
     assert count(_model("none"), params) == 0
