@@ -36,6 +36,8 @@ METHODS = {
     "pals": ("PALs (d_s = 102, 6 heads: 204 x 384 / 768)", ["conditioning/pals.gin"],
              ["--gin.PALS_SIZE=102"]),
     "tea_qkv": ("TEA-BERT, task Q/K/V embeddings", ["conditioning/tea_qkv.gin"], []),
+    "tea_input": ("TEA-BERT, task embedding added to the input embeddings",
+                  ["conditioning/tea_input.gin"], []),
     "mt_uncertainty": ("plain + MT-uncertainty sampling (96 candidates, 32 kept)",
                        ["runs/mt_uncertainty.gin"],
                        ["--gin.BATCH_SIZE=96", "--gin.MT_UNCERTAINTY_ROWS=32",
