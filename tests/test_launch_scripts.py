@@ -14,10 +14,11 @@ FLAGS = ["train", "--gin_file=runs/train.gin", "--gin.MODEL_DIR='gs://bucket/run
 
 
 def _stub(folder: pathlib.Path, name: str, log: pathlib.Path) -> pathlib.Path:
-    """An executable `name` appending its arguments (one shell-quoted line) to `log`."""
+    """An executable `name` appending its arguments (one shell-quoted line) to `log`, in
+    one write, so the concurrent processes of multiprocess.sh cannot interleave lines."""
     path = folder / name
-    path.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {shlex.quote(str(log))}\n'
-                    f'echo >> {shlex.quote(str(log))}\n')
+    path.write_text('#!/usr/bin/env bash\nline="$(printf "%q " "$@")"\n'
+                    f'echo "$line" >> {shlex.quote(str(log))}\n')
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return path
 
