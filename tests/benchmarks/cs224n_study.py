@@ -38,6 +38,8 @@ METHODS = {
     "tea_qkv": ("TEA-BERT, task Q/K/V embeddings", ["conditioning/tea_qkv.gin"], []),
     "tea_input": ("TEA-BERT, task embedding added to the input embeddings",
                   ["conditioning/tea_input.gin"], []),
+    "tea_projected": ("TEA-BERT, task embedding projected into every layer's Q/K/V",
+                      ["conditioning/tea_projected.gin"], []),
     "mt_uncertainty": ("plain + MT-uncertainty sampling (96 candidates, 32 kept)",
                        ["runs/mt_uncertainty.gin"],
                        ["--gin.BATCH_SIZE=96", "--gin.MT_UNCERTAINTY_ROWS=32",
