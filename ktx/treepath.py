@@ -21,7 +21,8 @@ from typing import Any, Union
 import jax
 import numpy as np
 
-__all__ = ["Rows", "Selection", "flatten", "name", "names", "select", "selected_size", "unflatten"]
+__all__ = ["Rows", "Selection", "flatten", "name", "names", "rows_like", "select", "selected_size",
+           "unflatten"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,3 +138,8 @@ def selected_size(leaf: Any, selected: Any) -> int:
     if isinstance(selected, np.ndarray):
         return size // max(np.shape(leaf)[0], 1) * int(selected.sum())
     return size if selected else 0
+
+
+def rows_like(rows: np.ndarray, leaf: Any) -> np.ndarray:
+    """A `select` row vector `[L]` as `[L, 1, ...]`, broadcasting against `leaf` `[L, ...]`."""
+    return rows.reshape((-1,) + (1,) * (np.ndim(leaf) - 1))

@@ -265,8 +265,8 @@ def stop_frozen_gradients(params: Any, patterns: treepath.Selection) -> Any:
         if selected is True:
             return jax.lax.stop_gradient(leaf)
         if isinstance(selected, np.ndarray):
-            rows = jnp.asarray(selected).reshape((-1,) + (1,) * (leaf.ndim - 1))
-            return jnp.where(rows, jax.lax.stop_gradient(leaf), leaf)
+            return jnp.where(treepath.rows_like(selected, leaf), jax.lax.stop_gradient(leaf),
+                             leaf)
         return leaf
 
     return jax.tree.map(stop, treepath.select(params, patterns, strict=False), params)

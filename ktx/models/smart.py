@@ -157,7 +157,7 @@ def full_teacher(teacher: Any, params: Any, frozen: treepath.Selection = ()) -> 
         if s is None:
             return p
         if isinstance(m, np.ndarray):
-            return jnp.where(jnp.asarray(m).reshape((-1,) + (1,) * (p.ndim - 1)), p, s)
+            return jnp.where(treepath.rows_like(m, p), p, s)
         return s
 
     return jax.tree.map(pick, teacher, params, rows, is_leaf=lambda x: x is None)

@@ -186,8 +186,7 @@ def _zero_frozen_rows(frozen: tuple) -> optax.GradientTransformation:
         def zero(rows, u):
             if not isinstance(rows, np.ndarray):
                 return u
-            keep = jnp.asarray(~rows).reshape((-1,) + (1,) * (u.ndim - 1))
-            return jnp.where(keep, u, jnp.zeros_like(u))
+            return jnp.where(treepath.rows_like(rows, u), jnp.zeros_like(u), u)
 
         return jax.tree.map(zero, mask, updates), state
 
