@@ -279,6 +279,12 @@ class MultiHeadAttention(nn.Module):
     dtype: Dtype = jnp.float32
     dropout_rate: float = 0.0
     float32_logits: bool = True
+    # The backward pass recomputes the attention probabilities (softmax and dropout) from
+    # the raw scores, so a layer keeps one `[B, H, Lq, Lk]` array for it instead of two
+    # (the probabilities and the dropped ones); the value product is not recomputed. Off
+    # under the 'dots' remat policy, which saves that product's output and would then
+    # recompute it (a policy cannot see inside this nested checkpoint).
+    recompute_probabilities: bool = True
 
     @nn.compact
     def __call__(
@@ -359,14 +365,43 @@ class MultiHeadAttention(nn.Module):
             key = jnp.asarray(key, jnp.float32)
         logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
         if mask is not None:
-            logits = logits + jnp.where(mask > 0, 0.0, _NEG_INF).astype(logits.dtype)
+            mask = jnp.where(mask > 0, 0.0, _NEG_INF).astype(logits.dtype)
         if bias is not None:
-            logits = logits + jnp.asarray(bias, logits.dtype)
-        probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        self.sow("intermediates", "attention_weights", probs)
-        # One mask per (example, head, key), broadcast over the queries, as T5X.
-        probs = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(probs, deterministic)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, jnp.asarray(value, self.dtype))
+            bias = jnp.asarray(bias, logits.dtype)
+
+        def scores(logits, mask, bias):
+            if mask is not None:
+                logits = logits + mask
+            if bias is not None:
+                logits = logits + bias
+            return jax.nn.softmax(logits, axis=-1).astype(self.dtype)
+
+        value = jnp.asarray(value, self.dtype)
+        # One dropout mask per (example, head, key), shared by the queries, as T5X.
+        dropout = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))
+        if not self.recompute_probabilities:
+            probs = scores(logits, mask, bias)
+            self.sow("intermediates", "attention_weights", probs)
+            out = jnp.einsum("bhqk,bkhd->bqhd", dropout(probs, deterministic), value)
+        else:
+            if self.is_mutable_collection("intermediates"):
+                self.sow("intermediates", "attention_weights", scores(logits, mask, bias))
+            keep = None
+            if not deterministic and self.dropout_rate > 0.0:
+                # The mask's bits drawn on a `[B, H, 1, Lk]` stand-in are those the
+                # `[B, H, Lq, Lk]` probabilities would get (row-keyed alike under
+                # `base.dropout_keyed_by_row`).
+                keep = dropout(jnp.ones(logits.shape[:2] + (1,) + logits.shape[3:]), False) > 0
+            rate = self.dropout_rate
+
+            def attend(logits, mask, bias, keep, value):
+                probs = scores(logits, mask, bias)
+                if keep is not None:
+                    probs = lax.select(jnp.broadcast_to(keep, probs.shape),
+                                       probs / (1.0 - rate), jnp.zeros_like(probs))
+                return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
+
+            out = recompute_elementwise(attend)(logits, mask, bias, keep, value)
         out = DenseGeneral(
             features=(inputs_q.shape[-1],), axis=(-2, -1), kernel_axes=(HEADS, KV, EMBED),
             dtype=self.dtype, name="out",
@@ -443,7 +478,7 @@ class _LayerHooks:
         return MultiHeadAttention(
             num_heads=cfg.num_heads, head_dim=cfg.head_dim, dtype=cfg.activation_dtype,
             dropout_rate=cfg.dropout_rate, float32_logits=cfg.float32_attention_logits,
-            name=name,
+            recompute_probabilities=cfg.remat_policy != "dots", name=name,
         )
 
     def _mlp(self, x: Array, task_id: Array, deterministic: bool, layer_inputs: Any) -> Array:

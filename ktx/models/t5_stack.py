@@ -7,9 +7,9 @@ rematerialisation (the T5X scalable-T5 options).
   recomputes the rest; `"dots"` saves every matmul output, attention scores included
   (`jax.checkpoint_policies.dots_saveable`), and recomputes only the elementwise work
   between them; `"full"` saves nothing but each layer's input. Applied per layer
-  (`nn.remat` on the layer module): the numbers are those of `"none"`. A scanned stack
-  runs fastest with `"dots"` or `"minimal"` (T5.1.1-Small on XLA:CPU, docs/scale.md:
-  scanned 'dots' 0.96x the unrolled step without remat, scanned 'none' 1.06x).
+  (`nn.remat` on the layer module): the numbers are those of `"none"`. T5.1.1-Small on
+  XLA:CPU (docs/scale.md): scanned 'none' runs at 0.97-1.03x the unrolled step without
+  remat, scanned 'dots' and 'minimal' at 0.93-1.0x with 20-30% less memory.
 * `scan_layers` (`T5Config.scan_layers`): the stack is one `nn.scan` over one layer
   definition, so XLA compiles one layer instead of `L`. Parameters (and the decode
   cache, and sown intermediates) are stacked on a leading `layers` axis under the scope
@@ -18,8 +18,9 @@ rematerialisation (the T5X scalable-T5 options).
   `ktx.models.scan_layout` converts parameter trees between the two layouts.
 
 Elementwise work between matmuls (activations, the gated product, RMSNorm, dropout's
-select) runs under `recompute_elementwise`: the backward pass recomputes it from its
-inputs instead of saving its intermediates. An unrolled stack gets this from XLA's
+select, and attention's softmax and dropout, recomputed from the raw scores) runs under
+`recompute_elementwise`: the backward pass recomputes it from its inputs instead of
+saving its intermediates. An unrolled stack gets this from XLA's
 fusions anyway; a scanned one would otherwise carry every such intermediate (a tanh, a
 broadcast zero, a normalised copy) as an `[L, ...]` residual stack across the loop.
 

@@ -2,7 +2,9 @@
 every gradient path (plain, per-task blocks and VJP, microbatches), conditioned models
 included; the policy really reaches the layers; a bad value is a clear error."""
 
+import contextlib
 import dataclasses
+import io
 
 import flax.linen as nn
 import jax
@@ -10,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from ktx import optim
 from ktx.conditioning.model import ConditioningConfig, conditioned_model
@@ -88,6 +91,32 @@ def test_policy_reaches_the_layers(policy):
     params = _params(_model("none"))
     assert count(_model("none"), params) == 0
     assert count(_model(policy), params) >= CFG.num_encoder_layers + CFG.num_decoder_layers
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_attention_keeps_only_its_scores_for_the_backward_pass(scan):
+    """Without remat, each attention keeps one `[B, H, Lq, Lk]` array for the backward pass,
+    its raw scores: the softmax and the dropout are recomputed from them
+    (`MultiHeadAttention.recompute_probabilities`), not saved twice (the probabilities and
+    the dropped ones), and a scanned stack carries one such `[L, ...]` stack per attention."""
+    batch = _batch()
+    model = seq2seq.EncoderDecoderModel(dataclasses.replace(CFG, scan_layers=scan), num_tasks=2)
+    params = _params(model)
+
+    def loss(p):
+        return model.loss_sums(p, batch, jax.random.key(3), True)[0].sum()
+
+    b, l, h = 4, 4, CFG.num_heads  # every length of the tiny batch is 4
+    assert CFG.num_encoder_layers == CFG.num_decoder_layers  # one stacked shape for both
+    score = ((CFG.num_encoder_layers,) if scan else ()) + (b, h, l, l)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(loss, params)  # one "f32[2,4,...] <where>" line per residual
+    kept = [line for line in printed.getvalue().splitlines()
+            if line.startswith(f"f32[{','.join(map(str, score))}] ")]
+    # encoder self-attention, decoder self- and cross-attention
+    expected = 3 if scan else CFG.num_encoder_layers + 2 * CFG.num_decoder_layers
+    assert len(kept) == expected, kept
 
 
 @pytest.mark.parametrize("method", ["blocks", "vjp"])
