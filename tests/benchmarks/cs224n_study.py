@@ -28,7 +28,15 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 RECORDS = REPO / "docs" / "results" / "cs224n"
 PROXY = "{'cs224n_sts_bert_v001': 'cs224n_quora_bert_v001'}"
 
-# method -> (description, gin files after experiments/cs224n_encoders/minilm_l6.gin, flags)
+
+def _anneal_within(steps: int) -> list[str]:
+    """The annealed schedule's 10 epochs squeezed into the run's budget (at 600 steps of 32
+    rows, one real epoch of the three tasks' 32,774 rows would be 1,024 steps)."""
+    return ["--gin.ANNEAL_EPOCHS=10", f"--gin.ANNEAL_STEPS_PER_EPOCH={max(1, steps // 10)}"]
+
+
+# method -> (description, gin files after experiments/cs224n_encoders/minilm_l6.gin, flags or a
+# function of the run's steps giving them)
 METHODS = {
     "plain": ("plain multi-task", [], []),
     "ca_mtl": ("CA-MTL Base (bottom half and embeddings frozen)", ["conditioning/ca_mtl.gin"],
@@ -48,11 +56,17 @@ METHODS = {
                    ["experiments/cs224n_encoders/cosine_sts.gin"], []),
     "slapbert": ("shared top layer + PCGrad (mixed batches)",
                  ["conditioning/shared_layer.gin", "optim/pcgrad.gin"], []),
+    "annealed": ("plain + annealed sampling (E = 10 epochs of steps / 10)",
+                 ["runs/annealed_sampling.gin"], _anneal_within),
+    "slapbert_annealed": ("shared top layer + PCGrad + annealed sampling (E = 10 of steps / 10)",
+                          ["conditioning/shared_layer.gin", "optim/pcgrad.gin",
+                           "runs/annealed_sampling.gin"], _anneal_within),
 }
 
 
 def _flags(method: str, minilm: str, seed: int, steps: int, length: int, model_dir: str) -> list[str]:
     _, files, extra = METHODS[method]
+    extra = extra(steps) if callable(extra) else extra
     return (["--gin_file=experiments/cs224n_encoders/minilm_l6.gin",
              *[f"--gin_file={f}" for f in files], "--gin_file=conditioning/mean_pooling.gin",
              f"--gin.MODEL_DIR='{model_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='hf:{minilm}'",
