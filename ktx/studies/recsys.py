@@ -142,8 +142,8 @@ def run_config(
         it); the mesh uses `num_partitions` local devices.
     Returns:
       dict with `best_epoch`, `epochs`, `validation` and `test` metrics at the best epoch,
-      `history` (per-evaluation validation NDCG@10), `train_seconds_per_epoch`,
-      `eval_seconds`.
+      `history` (per-evaluation validation NDCG@10), `train_loss` (each epoch's last
+      step), `train_seconds_per_epoch`, `eval_seconds`.
     """
     if not isinstance(max_epochs, int) or max_epochs < 1:
         raise ValueError(f"max_epochs={max_epochs!r}: expected a positive int")
@@ -173,7 +173,7 @@ def run_config(
                                     exclude=exclude)
     stopper = EarlyStopping("ndcg@10", patience)
     best_params, best_val = None, None
-    history, train_seconds, eval_seconds = [], [], 0.0
+    history, train_loss, train_seconds, eval_seconds = [], [], [], 0.0
     epoch = 0
     counts = train_input.task_counts(0)  # the same for every step of the study's input
     for epoch in range(max_epochs):
@@ -190,6 +190,7 @@ def run_config(
         train_seconds.append(time.perf_counter() - t0)
         if not np.isfinite(float(metrics["loss"])):
             raise FloatingPointError(f"non-finite loss {float(metrics['loss'])} at step {step}")
+        train_loss.append(float(metrics["loss"]))
         if (epoch + 1) % eval_every and epoch + 1 < max_epochs:
             continue
         t1 = time.perf_counter()
@@ -213,6 +214,7 @@ def run_config(
         "validation": best_val,
         "test": test,
         "history": history,
+        "train_loss": train_loss,
         "train_seconds_per_epoch": float(np.mean(train_seconds)),
         "steps_per_epoch": n_steps,
         "eval_seconds": eval_seconds,

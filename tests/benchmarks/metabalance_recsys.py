@@ -12,16 +12,20 @@ each method's mean test NDCG@10.
     KTX_DATA_DIR=/work/shared/data python tests/benchmarks/metabalance_recsys.py \
         --seeds 0,1,2 --max_epochs 100 --patience 20          # the paper's budget
     ... --max_epochs 3 --patience 3 --eval_max_users 2000 --test_max_users 8000 \
-        --relax_factors 0.1,0.3,0.5,0.7,0.9 --other_relax_factors 0.7 \
-        --cache /tmp/study.jsonl                               # the reduced run reported
+        --relax_factors 0.1,0.3,0.5,0.7,0.9 --other_relax_factors 0.7   # a reduced run
 
-`--cache` keeps every finished run (keyed by experiment, seed, bindings and budget), so
-an interrupted study resumes where it stopped and the report can be rewritten at once.
+`--records` (default `docs/results/recsys/`) keeps every finished run as one small JSON
+record (experiment, seed, bindings and budget, validation NDCG@10 and training loss per
+epoch, test metrics at the best epoch, times), named after its experiment, seed and a
+hash of its bindings; a run whose record exists is not run again. So a study too long for
+one sitting runs in pieces (`--methods`, `--seeds`, `--strategies` select them), each
+piece commits its records, and the report is rebuilt from the records of the whole set.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pathlib
 import time
@@ -63,6 +67,14 @@ def run_experiment(name: str, data, bindings: dict[str, object]) -> dict:
         gin.clear_config(clear_constants=True)
 
 
+def _shown(path: pathlib.Path) -> str:
+    """`path` relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def _fmt(values: list[float]) -> str:
     v = np.asarray(values)
     return f"{v.mean():.4f} ± {v.std():.4f}" if len(v) > 1 else f"{v.mean():.4f}"
@@ -86,9 +98,9 @@ def main() -> None:
     ap.add_argument("--other_relax_factors", default=None,
                     help="relax factors tried for the strategies after the first "
                          "(default: --relax_factors)")
-    ap.add_argument("--cache", default=None,
-                    help="JSONL of finished runs (keyed by experiment, seed, bindings and "
-                         "budget): reused, and appended to, so an interrupted study resumes")
+    ap.add_argument("--records", default=str(REPO / "docs" / "results" / "recsys"),
+                    help="folder of finished runs' records (one JSON each, keyed by "
+                         "experiment, seed, bindings and budget): reused, and added to")
     ap.add_argument("--data_dir", default=None)
     ap.add_argument("--out", default=str(REPO / "docs" / "results_recsys.md"))
     ap.add_argument("--png", default=str(REPO / "docs" / "results_recsys_relax.png"))
@@ -110,27 +122,29 @@ def main() -> None:
     if args.data_dir:
         budget["recsys_data.load_tmall_pairs.directory"] = str(pathlib.Path(args.data_dir) / "recsys" / "tmall")
     data = recsys_data.load_tmall_pairs(budget.get("recsys_data.load_tmall_pairs.directory"))
-    t_start = time.perf_counter()
 
-    cache: dict[str, dict] = {}
-    if args.cache and pathlib.Path(args.cache).exists():
-        for line in pathlib.Path(args.cache).read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                cache[record["key"]] = record["result"]
+    records = pathlib.Path(args.records)
+    walls: list[float] = []
 
     def run(name, seed, extra=None):
         t = time.perf_counter()
         bindings = {**budget, "SEED": seed, **(extra or {})}
         key = json.dumps([name, bindings], sort_keys=True)
-        if key in cache:
-            r = cache[key]
+        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+        path = records / f"{name}-seed{seed}-{digest}.json"
+        if path.is_file():
+            record = json.loads(path.read_text())
+            if record["key"] != key:
+                raise ValueError(f"{path}: its key {record['key']} is not this run's {key}")
+            r = record["result"]
         else:
             r = run_experiment(name, data, bindings)
-            r = json.loads(json.dumps(r, default=float))  # plain floats, as cached
-            if args.cache:
-                with open(args.cache, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"key": key, "result": r}) + "\n")
+            r = json.loads(json.dumps(r, default=float))  # plain floats, as recorded
+            records.mkdir(parents=True, exist_ok=True)
+            record = {"experiment": name, "seed": seed, "bindings": bindings, "key": key,
+                      "wall_seconds": round(time.perf_counter() - t, 1), "result": r}
+            path.write_text(json.dumps(record, indent=1) + "\n")
+        walls.append(record["wall_seconds"])
         print(f"{name} seed {seed} {extra or ''}: best epoch {r['best_epoch']}/{r['epochs']} "
               f"val N@10 {r['validation']['ndcg@10']:.4f} test N@10 {r['test']['ndcg@10']:.4f} "
               f"({time.perf_counter() - t:.0f}s)", flush=True)
@@ -156,7 +170,6 @@ def main() -> None:
         except Exception as e:  # reported in the results file, not dropped
             failed[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"{m} FAILED: {failed[label]}", flush=True)
-    elapsed = time.perf_counter() - t_start
 
     # The non-personalised reference: items by training purchases, same users and exclusions.
     pop = PopularityScorer()
@@ -189,7 +202,10 @@ def main() -> None:
         f"* MetaBalance grid (seed {seeds[0]}, chosen on validation NDCG@10 only): "
         + "; ".join(f"{s_} r in {sorted(r for (s2, r) in grid if s2 == s_)}" for s_ in strategies)
         + f"; chosen: {best_s}, r={best_r}",
-        f"* wall-clock {elapsed / 60:.1f} min on this machine",
+        f"* {len(walls)} runs, {sum(walls) / 3600:.1f} h of training and ranking in all on "
+        f"this machine (the sum of their records' wall times; records in "
+        f"`{_shown(records)}`)",
+        "* epochs: `best/run` per seed; fewer run than the maximum means early stopping fired",
     ]
     if args.steps_per_epoch or args.eval_max_users or args.test_max_users or args.max_epochs < 100 \
             or args.patience < 20 or len(seeds) < 3:
@@ -198,7 +214,7 @@ def main() -> None:
                   "paper's Table 4.3, and a difference between two methods means little unless "
                   "it exceeds their spreads over seeds."]
     lines += ["", "## Test metrics (Table 4.3 layout)", "",
-              "| method | " + " | ".join(HEADERS) + " | best epoch per seed |",
+              "| method | " + " | ".join(HEADERS) + " | epochs (best/run) per seed |",
               "|---" * (len(HEADERS) + 2) + "|",
               "| Popularity (no training) | " + " | ".join(f"{popularity[m]:.4f}" for m in METRICS)
               + " | - |"]
@@ -206,7 +222,7 @@ def main() -> None:
         rs = results[k]
         cells = [_fmt([r["test"][m] for r in rs]) for m in METRICS]
         lines.append(f"| {k} | " + " | ".join(cells) + " | "
-                     + ",".join(str(r["best_epoch"]) for r in rs) + " |")
+                     + ", ".join(f"{r['best_epoch']}/{r['epochs']}" for r in rs) + " |")
     for k, err in failed.items():
         lines.append(f"| {k} | FAILED: {err} |" + " |" * len(HEADERS))
     lines += ["", "## MetaBalance grid (seed %d)" % seeds[0], "",
