@@ -25,6 +25,7 @@ piece commits its records, and the report is rebuilt from the records of the who
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import pathlib
@@ -101,6 +102,9 @@ def main() -> None:
     ap.add_argument("--records", default=str(REPO / "docs" / "results" / "recsys"),
                     help="folder of finished runs' records (one JSON each, keyed by "
                          "experiment, seed, bindings and budget): reused, and added to")
+    ap.add_argument("--bind", action="append", default=[], metavar="BINDING=VALUE",
+                    help="an extra gin binding for every run (a Python literal value), e.g. "
+                         "recsys_study.run_config.num_negatives=4; part of each record's key")
     ap.add_argument("--data_dir", default=None)
     ap.add_argument("--out", default=str(REPO / "docs" / "results_recsys.md"))
     ap.add_argument("--png", default=str(REPO / "docs" / "results_recsys_relax.png"))
@@ -119,6 +123,15 @@ def main() -> None:
               "STEPS_PER_EPOCH": args.steps_per_epoch or None,
               "EVAL_MAX_USERS": args.eval_max_users or None,
               "TEST_MAX_USERS": args.test_max_users or None}
+    for item in args.bind:
+        name, sep, value = item.partition("=")
+        try:
+            budget[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            sep = ""
+        if not sep or not name.strip():
+            raise SystemExit(f"--bind {item!r}: expected BINDING=VALUE with a Python literal "
+                             "value, e.g. recsys_study.run_config.num_negatives=4")
     if args.data_dir:
         budget["recsys_data.load_tmall_pairs.directory"] = str(pathlib.Path(args.data_dir) / "recsys" / "tmall")
     data = recsys_data.load_tmall_pairs(budget.get("recsys_data.load_tmall_pairs.directory"))
