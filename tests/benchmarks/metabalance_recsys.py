@@ -29,6 +29,7 @@ import ast
 import hashlib
 import json
 import pathlib
+import sys
 import time
 
 import gin
@@ -102,13 +103,13 @@ def main() -> None:
     ap.add_argument("--records", default=str(REPO / "docs" / "results" / "recsys"),
                     help="folder of finished runs' records (one JSON each, keyed by "
                          "experiment, seed, bindings and budget): reused, and added to")
-    ap.add_argument("--bind", action="append", default=[], metavar="BINDING=VALUE",
-                    help="an extra gin binding for every run (a Python literal value), e.g. "
-                         "recsys_study.run_config.num_negatives=4; part of each record's key")
     ap.add_argument("--data_dir", default=None)
     ap.add_argument("--out", default=str(REPO / "docs" / "results_recsys.md"))
     ap.add_argument("--png", default=str(REPO / "docs" / "results_recsys_relax.png"))
-    args = ap.parse_args()
+    # Extra gin bindings for every run, as `ktx train` takes them (a Python literal value;
+    # part of each record's key): --gin.recsys_study.run_config.num_negatives=4
+    rest, extra_bindings = cli._split_gin_flags(sys.argv[1:])
+    args = ap.parse_args(rest)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
     strategies = [s for s in args.strategies.split(",") if s]
@@ -123,15 +124,12 @@ def main() -> None:
               "STEPS_PER_EPOCH": args.steps_per_epoch or None,
               "EVAL_MAX_USERS": args.eval_max_users or None,
               "TEST_MAX_USERS": args.test_max_users or None}
-    for item in args.bind:
-        name, sep, value = item.partition("=")
+    for name, value in extra_bindings:
         try:
-            budget[name.strip()] = ast.literal_eval(value.strip())
+            budget[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            sep = ""
-        if not sep or not name.strip():
-            raise SystemExit(f"--bind {item!r}: expected BINDING=VALUE with a Python literal "
-                             "value, e.g. recsys_study.run_config.num_negatives=4")
+            raise SystemExit(f"--gin.{name}={value}: the value must be a Python literal, "
+                             "e.g. --gin.recsys_study.run_config.num_negatives=4") from None
     if args.data_dir:
         budget["recsys_data.load_tmall_pairs.directory"] = str(pathlib.Path(args.data_dir) / "recsys" / "tmall")
     data = recsys_data.load_tmall_pairs(budget.get("recsys_data.load_tmall_pairs.directory"))
