@@ -684,7 +684,9 @@ class RecsysTrainInput:
     behaviour's training pairs (re-drawn on collision, up to 20 rounds). Every step takes
     `task_counts()[t]` consecutive rows of task t's stream, cycling if the task's stream
     is shorter than the epoch. `steps_per_epoch = max_t ceil(rows_t / count_t)`; with the
-    default proportional counts that is one pass over all rows.
+    default proportional counts that is one pass over all rows. `max_steps_per_epoch`
+    shortens every epoch to its first steps (quick runs): epoch e is still drawn from
+    epoch e's streams, so a shortened run sees a prefix of each full epoch.
 
     Args:
       data: the preprocessed data.
@@ -693,6 +695,8 @@ class RecsysTrainInput:
       seed: base seed; batch(step) depends only on (seed, step).
       task_batch_sizes: explicit rows per task (sum = batch_size); default proportional
         to each task's rows, at least 1.
+      max_steps_per_epoch: cap each epoch at this many steps (None: full epochs;
+        gin: STEPS_PER_EPOCH).
       process_index, process_count: this process's contiguous slice of the global batch.
     """
 
@@ -704,6 +708,7 @@ class RecsysTrainInput:
         num_negatives: int = 1,
         seed: int = 0,
         task_batch_sizes: Sequence[int] | None = None,
+        max_steps_per_epoch: int | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
     ):
@@ -732,7 +737,15 @@ class RecsysTrainInput:
                     f"summing to batch_size={batch_size}"
                 )
         self._counts = counts
-        self.steps_per_epoch = int(max(-(-r // c) for r, c in zip(self.rows_per_task, counts)))
+        self.full_steps_per_epoch = int(max(-(-r // c) for r, c in zip(self.rows_per_task, counts)))
+        if max_steps_per_epoch is not None and (
+                isinstance(max_steps_per_epoch, bool) or not isinstance(max_steps_per_epoch, int)
+                or max_steps_per_epoch < 1):
+            raise ValueError(
+                f"max_steps_per_epoch={max_steps_per_epoch!r}; accepted: None (full epochs) or "
+                "an integer >= 1")
+        self.steps_per_epoch = self.full_steps_per_epoch if max_steps_per_epoch is None else min(
+            max_steps_per_epoch, self.full_steps_per_epoch)
         pi = jax.process_index() if process_index is None else process_index
         pc = jax.process_count() if process_count is None else process_count
         if batch_size % pc or not 0 <= pi < pc:

@@ -1,36 +1,44 @@
 """Trains one configuration of the MetaBalance recommendation study (He et al., 2022).
 
-`run_config` trains `RecsysModel` on `MultiBehaviorData` with a given balancer (a
-`ktx.optim` transformation, or None for the plain summed loss) and seed, evaluates full
-ranking on validation after every `eval_every` epochs, stops early when validation
-NDCG@10 has not improved for `patience` evaluations, and reports the validation and
-test metrics of the best epoch. It trains with `ktx train`'s step: a `ktx.training.trainer.Trainer`
-builds the sharded state and runs `steps_per_call` steps per compiled call
-(`Trainer.train_steps`, a `lax.scan` over a `[K, batch]` block of batches from a
-task-partitioned `RecsysTrainInput`), so the host neither dispatches nor syncs per step.
-Balanced runs keep the per-task gradients of the embedding tables sparse (looked-up rows
-only, `StepOptions.sparse_tables`).
+`run_config` is `ktx train` followed by the test ranking of `ktx eval`: it trains
+`RecsysModel` on a task-partitioned `RecsysTrainInput` with a given balancer (a
+`ktx.optim` transformation, or None for the plain summed loss) and seed through
+`ktx.runs.train.train` (the same loop, compiled step, checkpoints and metrics.jsonl; up
+to `steps_per_call` scanned steps per call, sparse per-task table gradients on the
+balanced path), ranks the validation users every `eval_every` epochs with a
+`RankingEvaluator`, stops early when validation NDCG@10 has not improved for `patience`
+evaluations, then ranks the test users with the best evaluation's checkpoint. The
+result is read back from the run's metrics.jsonl.
 
     data = ktx.data.recsys.load_tmall_pairs()
     result = run_config(data, balancer=ktx.optim.metabalance(relax_factor=0.7), seed=0)
     result["test"]["ndcg@10"]
+
+`study_trainer` builds a `Trainer` with the same step options (for benchmarks and tests
+that drive `Trainer.train_steps` themselves).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from ktx import partitioning
 from ktx.data.recsys import MultiBehaviorData, RecsysTrainInput
 from ktx.models.recsys import RecsysModel
 from ktx.runs.rank_eval import RankingEvaluator
-from ktx.runs.hooks import EarlyStopping
+from ktx.runs.run_dir import RunDir
+from ktx.runs.train import train
+from ktx.training.checkpoints import restore_params
+from ktx.training.summaries import read_metrics
 from ktx.training.trainer import Trainer
 
 __all__ = [
@@ -61,10 +69,10 @@ def study_trainer(
     sparse_tables: Sequence[str] | None = SPARSE_TABLES,
     num_partitions: int = 1,
 ) -> Trainer:
-    """The study's `Trainer`: `num_partitions` local devices on the `model` axis, the
-    balanced parameters `shared` (default: the model's `shared_param_patterns`), sparse
-    per-task table gradients on the balanced path, and lean metrics (no norms, no
-    diagnostics) for its many small steps."""
+    """A `Trainer` with `run_config`'s step options, without the loop: `num_partitions`
+    local devices on the `model` axis, the balanced parameters `shared` (default: the
+    model's `shared_param_patterns`), sparse per-task table gradients on the balanced
+    path, and lean metrics (no norms, no diagnostics) for its many small steps."""
     if not isinstance(num_partitions, int) or not 1 <= num_partitions <= jax.local_device_count():
         raise ValueError(
             f"num_partitions={num_partitions!r}: expected 1..{jax.local_device_count()} "
@@ -114,9 +122,12 @@ def run_config(
     steps_per_call: int = 64,
     sparse_tables: Sequence[str] | None = SPARSE_TABLES,
     num_partitions: int = 1,
-    log: Callable[[str], None] | None = print,
+    model_dir: str | os.PathLike | None = None,
+    verbose: bool = True,
 ) -> dict[str, Any]:
-    """Trains one (balancer, seed) configuration with early stopping on validation NDCG@10.
+    """Trains one (balancer, seed) configuration with `ktx train`'s loop
+    (`ktx.runs.train.train`: early stopping on validation NDCG@10, a checkpoint per
+    evaluation) and ranks the test users at the best validation epoch's checkpoint.
 
     Args:
       data: preprocessed data (target first).
@@ -128,22 +139,28 @@ def run_config(
         weight_decay)`; MTAdam, itself the optimizer, takes a bare learning-rate scale).
       model_kwargs: extra `RecsysModel` arguments (embed_dim, mlp_dims, ...).
       shared: balanced parameters (default: the model's `shared_param_patterns`).
-      steps_per_epoch: cap an epoch at this many steps (quick runs); None = full epoch.
+      steps_per_epoch: cap an epoch at its first this many steps (quick runs;
+        `RecsysTrainInput.max_steps_per_epoch`); None = full epochs.
       eval_max_users, test_max_users: rank only this many validation / test users, a
         fixed random subset (the same for every run; quick runs); None: every user.
       exclude: which of a user's training items are left out of their ranking: "all"
         (every training interaction, auxiliary behaviours included: after leakage
         removal none of them can be a held-out target item) or "target" (the target
         behaviour's training pairs only).
-      steps_per_call: training steps per compiled call (`multi_step`); the result does
-        not depend on it.
+      steps_per_call: training steps per compiled call (`train`'s `steps_per_call`);
+        the result does not depend on it.
       sparse_tables: tables with sparse per-task gradients on the balanced path.
       num_partitions: size of the mesh's `model` axis (embedding tables are split over
-        it); the mesh uses `num_partitions` local devices.
+        it); the rest of the devices form the `data` axis, as in `ktx train`.
+      model_dir: the run directory (checkpoints, metrics.jsonl, TensorBoard; `ktx eval`
+        with runs/recsys_eval.gin reads it); None: a temporary one, removed at the end.
+      verbose: print the training loop's progress and evaluation lines.
     Returns:
       dict with `best_epoch`, `epochs`, `validation` and `test` metrics at the best epoch,
-      `history` (per-evaluation validation NDCG@10), `train_loss` (each epoch's last
-      step), `train_seconds_per_epoch`, `eval_seconds`.
+      `history` (per-evaluation validation NDCG@10), `train_loss` (each epoch's mean
+      training objective), `train_seconds_per_epoch` (wall time of the training loop
+      less the evaluations, per epoch: compilation and checkpoints included),
+      `steps_per_epoch`, `eval_seconds`.
     """
     if not isinstance(max_epochs, int) or max_epochs < 1:
         raise ValueError(f"max_epochs={max_epochs!r}: expected a positive int")
@@ -154,68 +171,71 @@ def run_config(
     if not isinstance(steps_per_call, int) or steps_per_call < 1:
         raise ValueError(f"steps_per_call={steps_per_call!r}: expected a positive int")
     model = build_model(data, **dict(model_kwargs or {}))
-    train_input = RecsysTrainInput(
-        data, batch_size=batch_size, num_negatives=num_negatives, seed=seed
-    )
-    n_steps = train_input.steps_per_epoch if steps_per_epoch is None else min(
-        int(steps_per_epoch), train_input.steps_per_epoch
-    )
-    trainer = study_trainer(
-        model, adam_l2(learning_rate, weight_decay) if optimizer is None else optimizer,
-        balancer, shared=shared, sparse_tables=sparse_tables, num_partitions=num_partitions)
-    rng = jax.random.key(seed)
-    init_rng, step_rng = jax.random.split(rng)
-    state = trainer.init_state(init_rng, train_input.get_batch(0))
-
-    validation = RankingEvaluator(data, split="validation", ks=ks, max_users=eval_max_users,
-                                  exclude=exclude)
-    test_ranking = RankingEvaluator(data, split="test", ks=ks, max_users=test_max_users,
-                                    exclude=exclude)
-    stopper = EarlyStopping("ndcg@10", patience)
-    best_params, best_val = None, None
-    history, train_loss, train_seconds, eval_seconds = [], [], [], 0.0
-    epoch = 0
-    counts = train_input.task_counts(0)  # the same for every step of the study's input
-    for epoch in range(max_epochs):
+    train_input = RecsysTrainInput(data, batch_size=batch_size, num_negatives=num_negatives,
+                                   seed=seed, max_steps_per_epoch=steps_per_epoch)
+    n_steps = train_input.steps_per_epoch
+    validation = _Timed(RankingEvaluator(data, split="validation", ks=ks,
+                                         max_users=eval_max_users, exclude=exclude))
+    balanced = balancer is not None
+    with contextlib.ExitStack() as stack:
+        if model_dir is None:
+            model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="ktx-recsys-"))
+        if not verbose:
+            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         t0 = time.perf_counter()
-        base = epoch * train_input.steps_per_epoch
-        for lo in range(0, n_steps, steps_per_call):
-            steps = range(base + lo, base + min(lo + steps_per_call, n_steps))
-            batches = [train_input.get_batch(s) for s in steps]
-            stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
-            state, metrics = trainer.train_steps(state, stacked, step_rng, counts)
-        step = base + n_steps - 1
-        metrics = {"loss": metrics["loss"][-1]}
-        jax.block_until_ready(state.params)
-        train_seconds.append(time.perf_counter() - t0)
-        if not np.isfinite(float(metrics["loss"])):
-            raise FloatingPointError(f"non-finite loss {float(metrics['loss'])} at step {step}")
-        train_loss.append(float(metrics["loss"]))
-        if (epoch + 1) % eval_every and epoch + 1 < max_epochs:
-            continue
+        state = train(
+            model=model, train_input=train_input, model_dir=model_dir,
+            optimizer=adam_l2(learning_rate, weight_decay) if optimizer is None else optimizer,
+            balancer=balancer, train_epochs=max_epochs, num_partitions=num_partitions,
+            shared=(tuple(shared) if shared is not None else model.shared_param_patterns)
+            if balanced else None,
+            sparse_tables=tuple(sparse_tables) if balanced and sparse_tables else None,
+            log_diagnostics=False, norm_metrics=False, seed=seed,
+            log_period=n_steps, checkpoint_period=eval_every * n_steps,
+            # The best evaluation is at most `patience` evaluations behind the last one.
+            keep_checkpoints=patience + 1, evaluators=[validation],
+            eval_period=eval_every * n_steps, early_stopping_metric="ndcg@10",
+            early_stopping_patience=patience, steps_per_call=steps_per_call)
+        train_seconds = time.perf_counter() - t0 - validation.seconds
+        records = read_metrics(RunDir(model_dir).metrics)
+        history = {r["step"]: r for r in records
+                   if r["split"] == "validation_ranking" and r["task"] == data.target}
+        # The loop's own early-stopping bookkeeping names the best evaluation.
+        best_step = [r for r in records if r["split"] == "early_stopping"][-1]["best_step"]
+        epochs = max(r["step"] for r in records if r["split"] == "train") // n_steps
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
+        best_params, _ = restore_params(model_dir, abstract, step=best_step)
         t1 = time.perf_counter()
-        val = validation.rank(model, state.params, trainer.mesh)
-        eval_seconds += time.perf_counter() - t1
-        history.append(val["ndcg@10"])
-        if log:
-            log(f"epoch {epoch + 1}: loss {float(metrics['loss']):.4f} val ndcg@10 "
-                f"{val['ndcg@10']:.4f} ({train_seconds[-1]:.1f}s train)")
-        stop = stopper.update(epoch + 1, {data.target: val})
-        if stopper.best_step == epoch + 1:
-            best_params, best_val = jax.device_get(state.params), val
-        if stop:
-            break
-    t1 = time.perf_counter()
-    test = test_ranking.rank(model, best_params, trainer.mesh)
-    eval_seconds += time.perf_counter() - t1
+        test = RankingEvaluator(data, split="test", ks=ks, max_users=test_max_users,
+                                exclude=exclude).rank(
+            model, best_params, partitioning.create_mesh(num_partitions))
+        test_seconds = time.perf_counter() - t1
+    meta = ("step", "split", "task")
     return {
-        "best_epoch": stopper.best_step,
-        "epochs": epoch + 1,
-        "validation": best_val,
+        "best_epoch": best_step // n_steps,
+        "epochs": epochs,
+        "validation": {k: v for k, v in history[best_step].items() if k not in meta},
         "test": test,
-        "history": history,
-        "train_loss": train_loss,
-        "train_seconds_per_epoch": float(np.mean(train_seconds)),
+        "history": [history[s]["ndcg@10"] for s in sorted(history)],
+        "train_loss": [r["objective"] for r in records
+                       if r["split"] == "train" and r["task"] == "all"],
+        "train_seconds_per_epoch": train_seconds / epochs,
         "steps_per_epoch": n_steps,
-        "eval_seconds": eval_seconds,
+        "eval_seconds": validation.seconds + test_seconds,
     }
+
+
+class _Timed:
+    """An evaluator that adds up the wall time of its calls (`seconds`)."""
+
+    def __init__(self, evaluator: Any):
+        self.evaluator, self.seconds = evaluator, 0.0
+        self.title = getattr(evaluator, "title", "evaluation")
+
+    def __call__(self, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.evaluator(**kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0

@@ -64,7 +64,7 @@ def run_experiment(name: str, data, bindings: dict[str, object]) -> dict:
     gin.clear_config(clear_constants=True)
     try:
         cli.parse_gin([str(path)], [(k, repr(v)) for k, v in bindings.items()])
-        return gin.get_configurable(recsys_study.run_config)(data=data, log=None)
+        return gin.get_configurable(recsys_study.run_config)(data=data, verbose=False)
     finally:
         gin.clear_config(clear_constants=True)
 

@@ -88,7 +88,7 @@ def test_run_config_independent_of_steps_per_call():
     model, inp, _, _ = _setup(None)
     data = inp.data
     kw = dict(balancer=optim.vanilla_multi(), seed=2, max_epochs=2, patience=2,
-              batch_size=24, learning_rate=1e-2, log=None,
+              batch_size=24, learning_rate=1e-2, verbose=False,
               model_kwargs={"embed_dim": 8, "mlp_dims": (8, 4, 2), "tower_dims": (8, 4)})
     a = recsys_study.run_config(data, steps_per_call=1, **kw)
     b = recsys_study.run_config(data, steps_per_call=5, **kw)
@@ -99,4 +99,4 @@ def test_run_config_independent_of_steps_per_call():
 def test_run_config_rejects_bad_steps_per_call():
     model, inp, _, _ = _setup(None)
     with pytest.raises(ValueError, match="steps_per_call=0"):
-        recsys_study.run_config(inp.data, steps_per_call=0, log=None)
+        recsys_study.run_config(inp.data, steps_per_call=0, verbose=False)

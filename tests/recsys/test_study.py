@@ -31,7 +31,7 @@ def test_run_config_trains_and_reports(balanced):
         data, balancer=optim.metabalance(relax_factor=0.5, num_tasks=3) if balanced else None, seed=1,
         max_epochs=4, patience=2, batch_size=48, learning_rate=1e-2,
         model_kwargs={"embed_dim": 8, "mlp_dims": (8, 4, 2), "tower_dims": (8, 4),
-                      "dropout_rate": 0.0}, log=None)
+                      "dropout_rate": 0.0}, verbose=False)
     assert set(result["test"]) == {f"{m}@{k}" for m in ("ndcg", "recall", "precision") for k in (10, 20)}
     assert 1 <= result["best_epoch"] <= result["epochs"] <= 4
     assert result["validation"]["ndcg@10"] == max(result["history"])
@@ -52,3 +52,44 @@ def test_gin_model_file_builds_the_model():
         assert model.dropout_rate == 0.5 and model.loss_normalization == "per_task"
     finally:
         gin.clear_config()
+
+
+def test_capped_epochs_are_prefixes_of_full_epochs():
+    data = _data()
+    full = R.RecsysTrainInput(data, batch_size=12, seed=4)
+    capped = R.RecsysTrainInput(data, batch_size=12, seed=4, max_steps_per_epoch=3)
+    assert full.steps_per_epoch > 3 and capped.steps_per_epoch == 3
+    for epoch in range(2):
+        for i in range(3):
+            a = capped.get_batch(epoch * 3 + i)
+            b = full.get_batch(epoch * full.steps_per_epoch + i)
+            assert all(np.array_equal(a[k], b[k]) for k in b)
+    big = R.RecsysTrainInput(data, batch_size=12, max_steps_per_epoch=10 ** 6)
+    assert big.steps_per_epoch == full.steps_per_epoch
+    with pytest.raises(ValueError, match="max_steps_per_epoch=0"):
+        R.RecsysTrainInput(data, batch_size=12, max_steps_per_epoch=0)
+
+
+def test_run_config_is_a_ktx_train_run(tmp_path):
+    """The study's run directory is `ktx train`'s: `ktx eval` (rank_eval.evaluate) of its
+    kept checkpoints picks the same best epoch and the same test metrics."""
+    optim = pytest.importorskip("ktx.optim")
+    from ktx.runs import rank_eval
+
+    data = _data()
+    model_kwargs = {"embed_dim": 8, "mlp_dims": (8, 4, 2), "tower_dims": (8, 4), "dropout_rate": 0.0}
+    result = recsys_study.run_config(
+        data, balancer=optim.metabalance(relax_factor=0.5, num_tasks=3), seed=2, max_epochs=3,
+        patience=3, batch_size=48, learning_rate=1e-2, steps_per_epoch=4,
+        model_kwargs=model_kwargs, model_dir=tmp_path, verbose=False)
+    assert result["steps_per_epoch"] == 4 and result["epochs"] == 3
+    assert len(result["history"]) == len(result["train_loss"]) == 3
+    summary = rank_eval.evaluate(model=recsys_study.build_model(data, **model_kwargs),
+                                 model_dir=tmp_path, data=data)
+    assert sorted(summary.metrics) == [4, 8, 12]
+    best_step, best = summary.best_per_task()[data.target]
+    assert best_step == 4 * result["best_epoch"]
+    assert best == pytest.approx(result["validation"]["ndcg@10"], rel=1e-6)
+    test = {k[5:]: v for k, v in summary.metrics[best_step][data.target].items()
+            if k.startswith("test/")}
+    assert test == pytest.approx(result["test"], rel=1e-6)
