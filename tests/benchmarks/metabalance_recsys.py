@@ -3,8 +3,9 @@
 Every method is one gin experiment file under `gin/experiments/recsys/` (parsed fresh for
 each run, budget and seed passed as gin bindings). MetaBalance's strategy (both, reduce,
 enlarge) and relax factor are chosen on VALIDATION NDCG@10 of the first seed only; the
-chosen configuration is then run for every seed, like every other method. Writes
-`docs/results_recsys.md` (methods x N@10, R@10, P@10, N@20, R@20, P@20 on test, mean
+chosen configuration is then run for every seed, like every other method. Writes, between
+the `<!-- metabalance_recsys:begin -->` and `end` markers of `docs/results_recsys.md` (the
+hand-written sections around them are kept), the report (methods x N@10, R@10, P@10, N@20, R@20, P@20 on test, mean
 +- standard deviation over seeds, a popularity reference row, the budget used) and the
 relax-factor curve `docs/results_recsys_relax.png`. The last output line is JSON with
 each method's mean test NDCG@10.
@@ -80,6 +81,25 @@ def _shown(path: pathlib.Path) -> str:
 def _fmt(values: list[float]) -> str:
     v = np.asarray(values)
     return f"{v.mean():.4f} ± {v.std():.4f}" if len(v) > 1 else f"{v.mean():.4f}"
+
+
+BEGIN, END = "<!-- metabalance_recsys:begin -->", "<!-- metabalance_recsys:end -->"
+
+
+def _write_report(path: pathlib.Path, lines: list[str]) -> None:
+    """Writes the generated report between the BEGIN and END markers of `path`, keeping
+    the hand-written text around them (a new file holds the markers and the report)."""
+    block = "\n".join([BEGIN, *lines, END])
+    text = path.read_text() if path.is_file() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    elif text:
+        raise SystemExit(f"--out {path}: it has no {BEGIN} ... {END} markers; the report "
+                         "replaces only the text between them (add them, or give a new file)")
+    else:
+        text = block + "\n"
+    path.write_text(text)
 
 
 def main() -> None:
@@ -197,8 +217,9 @@ def main() -> None:
         f"shared data folder ({data.num_users} users, {data.num_items} items; target buy, "
         "auxiliaries collect and cart; given splits, leakage removed). Model and optimizer:",
         "`gin/models/recsys_shared_bottom.gin` (He et al., 2022: embeddings 64, bottom MLP",
-        "(32, 16, 8) + MF, towers (64, 32), dropout 0.5, Adam 1e-3, L2 1e-7, batch 256, one",
-        "negative per positive). Test metrics at the epoch with the best validation NDCG@10,",
+        "(32, 16, 8) + MF, towers (64, 32), dropout 0.5, Adam 1e-3, L2 1e-7, batch 256, "
+        f"{budget.get('NUM_NEGATIVES', 1)}",
+        "negative(s) per positive). Test metrics at the epoch with the best validation NDCG@10,",
         f"mean ± standard deviation (population) over seeds {seeds}; every method is the gin",
         "file of its name under `gin/experiments/recsys/`.",
         "",
@@ -240,8 +261,11 @@ def main() -> None:
               "| strategy | relax factor | validation N@10 | test N@10 |", "|---|---|---|---|"]
     for (s_, r), res in sorted(grid.items()):
         lines.append(f"| {s_} | {r} | {res['validation']['ndcg@10']:.4f} | {res['test']['ndcg@10']:.4f} |")
-    lines += ["", f"![relax factor curve]({pathlib.Path(args.png).name})", ""]
-    pathlib.Path(args.out).write_text("\n".join(lines))
+    if extra_bindings:
+        lines += ["", "Extra bindings of every run: " + ", ".join(
+            f"`{name} = {value}`" for name, value in extra_bindings)]
+    lines += ["", f"![relax factor curve]({pathlib.Path(args.png).name})"]
+    _write_report(pathlib.Path(args.out), lines)
 
     import matplotlib
 
