@@ -697,6 +697,8 @@ class RecsysTrainInput:
         to each task's rows, at least 1.
       max_steps_per_epoch: cap each epoch at this many steps (None: full epochs;
         gin: STEPS_PER_EPOCH).
+      rows: "per_task" (each task's own positives and negatives) or "shared" (the same
+        pairs for every task, labelled for each behaviour).
       process_index, process_count: this process's contiguous slice of the global batch.
     """
 
@@ -709,11 +711,19 @@ class RecsysTrainInput:
         seed: int = 0,
         task_batch_sizes: Sequence[int] | None = None,
         max_steps_per_epoch: int | None = None,
+        rows: str = "per_task",
         process_index: int | None = None,
         process_count: int | None = None,
     ):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
+        if rows not in ("per_task", "shared"):
+            raise ValueError(f"rows={rows!r}; accepted: 'per_task' or 'shared'")
+        if rows == "shared" and task_batch_sizes is not None:
+            raise ValueError(
+                f"task_batch_sizes={task_batch_sizes!r} with rows='shared': every task gets "
+                "the step's batch_size pairs; leave task_batch_sizes unset")
+        self.rows = rows
         if not isinstance(num_negatives, int) or num_negatives < 0:
             raise ValueError(f"num_negatives={num_negatives!r}: expected a non-negative int")
         self.data = data
@@ -726,8 +736,14 @@ class RecsysTrainInput:
         for b, p in zip(self.task_names, self._pos):
             if not len(p):
                 raise ValueError(f"behaviour {b!r} has no training pairs")
-        self.rows_per_task = tuple(len(p) * (1 + num_negatives) for p in self._pos)
-        if task_batch_sizes is None:
+        if rows == "shared":
+            self._union = _unique_pairs(np.concatenate(self._pos))
+            self.rows_per_task = (len(self._union) * (1 + num_negatives),) * self.num_tasks
+        else:
+            self.rows_per_task = tuple(len(p) * (1 + num_negatives) for p in self._pos)
+        if rows == "shared":
+            counts = (batch_size,) * self.num_tasks
+        elif task_batch_sizes is None:
             counts = _largest_remainder(batch_size, self.rows_per_task)
         else:
             counts = tuple(int(c) for c in task_batch_sizes)
@@ -748,13 +764,16 @@ class RecsysTrainInput:
             max_steps_per_epoch, self.full_steps_per_epoch)
         pi = jax.process_index() if process_index is None else process_index
         pc = jax.process_count() if process_count is None else process_count
-        if batch_size % pc or not 0 <= pi < pc:
+        self.global_rows = sum(counts)
+        if self.global_rows % pc or not 0 <= pi < pc:
             raise ValueError(
-                f"batch_size={batch_size} must divide evenly over process_count={pc} "
-                f"(process_index={pi})"
+                f"batch_size={batch_size} ({self.global_rows} rows per step) must divide "
+                f"evenly over process_count={pc} (process_index={pi})"
             )
         self.process_index, self.process_count = pi, pc
         self._sorted_keys = [np.sort(_keys(p, data.num_items)) for p in self._pos]
+        if rows == "shared":
+            self._union_keys = np.sort(_keys(self._union, data.num_items))
         self._cache: tuple[int, list[dict[str, np.ndarray]]] | None = None
 
     def task_counts(self, step: int) -> tuple[int, ...]:
@@ -764,10 +783,11 @@ class RecsysTrainInput:
     def epoch_of(self, step: int) -> int:
         return int(step) // self.steps_per_epoch
 
-    def _negatives(self, t: int, users: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def _negatives(self, keys: np.ndarray, users: np.ndarray,
+                   rng: np.random.Generator) -> np.ndarray:
+        """Uniform items whose (user, item) key is not in the sorted `keys`."""
         n_items = self.data.num_items
         items = rng.integers(0, n_items, size=len(users))
-        keys = self._sorted_keys[t]
         for _ in range(20):
             k = users * n_items + items
             pos = np.searchsorted(keys, k)
@@ -781,12 +801,16 @@ class RecsysTrainInput:
         """Task t's shuffled stream for `epoch` (positives + fresh negatives)."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
+        if self.rows == "shared":
+            streams = [self._shared_stream(epoch)]
+            self._cache = (int(epoch), streams)
+            return streams
         streams = []
         for t, pos in enumerate(self._pos):
             rng = np.random.default_rng([self.seed, int(epoch), t])
             neg_users = np.repeat(pos[:, 0], self.num_negatives)
             users = np.concatenate([pos[:, 0], neg_users])
-            items = np.concatenate([pos[:, 1], self._negatives(t, neg_users, rng)])
+            items = np.concatenate([pos[:, 1], self._negatives(self._sorted_keys[t], neg_users, rng)])
             labels = np.concatenate([np.ones(len(pos), np.float32), np.zeros(len(neg_users), np.float32)])
             order = rng.permutation(len(users))
             streams.append({
@@ -797,13 +821,39 @@ class RecsysTrainInput:
         self._cache = (int(epoch), streams)
         return streams
 
+    def _shared_stream(self, epoch: int) -> dict[str, np.ndarray]:
+        """The shuffled pairs of `rows="shared"`: every behaviour's training pairs (labels
+        `[n, T]`, 1 where the pair is a training pair of that behaviour) and negatives."""
+        rng = np.random.default_rng([self.seed, int(epoch), self.num_tasks, 1])
+        pos = self._union
+        neg_users = np.repeat(pos[:, 0], self.num_negatives)
+        users = np.concatenate([pos[:, 0], neg_users])
+        items = np.concatenate([pos[:, 1], self._negatives(self._union_keys, neg_users, rng)])
+        keys = _keys(pos, self.data.num_items)
+        labels = np.zeros((len(users), self.num_tasks), np.float32)
+        for t, sorted_keys in enumerate(self._sorted_keys):
+            at = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+            labels[:len(pos), t] = sorted_keys[at] == keys
+        order = rng.permutation(len(users))
+        return {"user": users[order].astype(np.int32), "item": items[order].astype(np.int32),
+                "labels": labels[order]}
+
     def get_global_batch(self, step: int) -> dict[str, np.ndarray]:
-        """All `batch_size` rows of `step`, task blocks contiguous in task order."""
+        """All rows of `step`, task blocks contiguous in task order."""
         if int(step) < 0:
             raise ValueError(f"step={step!r}: expected >= 0")
         epoch, within = divmod(int(step), self.steps_per_epoch)
         streams = self.epoch_rows(epoch)
         parts: dict[str, list[np.ndarray]] = {"user": [], "item": [], "label": [], "task_id": []}
+        if self.rows == "shared":
+            stream, b = streams[0], self.batch_size
+            idx = (within * b + np.arange(b)) % len(stream["user"])
+            for t in range(self.num_tasks):
+                parts["user"].append(stream["user"][idx])
+                parts["item"].append(stream["item"][idx])
+                parts["label"].append(stream["labels"][idx, t])
+                parts["task_id"].append(np.full(b, t, np.int32))
+            return {k: np.concatenate(v) for k, v in parts.items()}
         for t, (stream, c) in enumerate(zip(streams, self._counts)):
             idx = (within * c + np.arange(c)) % len(stream["user"])
             for k in ("user", "item", "label"):
@@ -814,7 +864,7 @@ class RecsysTrainInput:
     def get_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's contiguous rows of the global batch of `step`."""
         batch = self.get_global_batch(step)
-        n = self.batch_size // self.process_count
+        n = self.global_rows // self.process_count
         lo = self.process_index * n
         return {k: v[lo:lo + n] for k, v in batch.items()}
 

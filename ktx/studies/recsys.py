@@ -109,6 +109,7 @@ def run_config(
     eval_every: int = 1,
     batch_size: int = 256,
     num_negatives: int = 1,
+    rows: str = "per_task",
     learning_rate: float = 1e-3,
     weight_decay: float = 1e-7,
     optimizer: optax.GradientTransformation | None = None,
@@ -135,6 +136,8 @@ def run_config(
       seed: seeds initialization, dropout and the negatives.
       max_epochs, patience, eval_every: early stopping (patience counts evaluations).
       batch_size, num_negatives, learning_rate, weight_decay: the paper's 256, 1e-3, 1e-7.
+      rows: "per_task" (task-partitioned batches) or "shared" (every task's loss on the
+        same pairs, as the authors' script; `RecsysTrainInput.rows`).
       optimizer: the optimizer after the balancer (default `adam_l2(learning_rate,
         weight_decay)`; MTAdam, itself the optimizer, takes a bare learning-rate scale).
       model_kwargs: extra `RecsysModel` arguments (embed_dim, mlp_dims, ...).
@@ -172,7 +175,7 @@ def run_config(
         raise ValueError(f"steps_per_call={steps_per_call!r}: expected a positive int")
     model = build_model(data, **dict(model_kwargs or {}))
     train_input = RecsysTrainInput(data, batch_size=batch_size, num_negatives=num_negatives,
-                                   seed=seed, max_steps_per_epoch=steps_per_epoch)
+                                   seed=seed, max_steps_per_epoch=steps_per_epoch, rows=rows)
     n_steps = train_input.steps_per_epoch
     validation = _Timed(RankingEvaluator(data, split="validation", ks=ks,
                                          max_users=eval_max_users, exclude=exclude))

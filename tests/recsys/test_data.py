@@ -131,6 +131,46 @@ def test_train_input_process_slices():
         R.RecsysTrainInput(data, batch_size=16, task_batch_sizes=(8, 8))
 
 
+def test_shared_rows_label_every_pair_for_every_behaviour():
+    data = _tiny_data()
+    T = len(data.behaviours)
+    inp = R.RecsysTrainInput(data, batch_size=8, num_negatives=2, seed=3, rows="shared")
+    assert inp.task_counts(0) == (8,) * T and inp.global_rows == 8 * T
+    known = {name: {tuple(p) for p in data.train[name]} for name in data.behaviours}
+    union = set().union(*known.values())
+    assert inp.rows_per_task == (3 * len(union),) * T
+    assert inp.steps_per_epoch == -(-3 * len(union) // 8)
+    seen = []
+    for step in range(inp.steps_per_epoch):
+        b = inp.get_batch(step)
+        np.testing.assert_array_equal(b["task_id"], np.repeat(np.arange(T), 8))
+        blocks = [slice(8 * t, 8 * (t + 1)) for t in range(T)]
+        for t, name in enumerate(data.behaviours):
+            # Every task block holds the same pairs, labelled for its own behaviour.
+            np.testing.assert_array_equal(b["user"][blocks[t]], b["user"][blocks[0]])
+            np.testing.assert_array_equal(b["item"][blocks[t]], b["item"][blocks[0]])
+            pairs = zip(b["user"][blocks[t]], b["item"][blocks[t]])
+            expected = [float((u, i) in known[name]) for u, i in pairs]
+            np.testing.assert_array_equal(b["label"][blocks[t]], expected)
+        seen += list(zip(b["user"][blocks[0]], b["item"][blocks[0]]))
+    # One epoch: every training pair of any behaviour, and two negatives per pair that
+    # are no training pair of that user in any behaviour.
+    one_epoch = seen[:3 * len(union)]
+    assert {p for p in one_epoch if p in union} == union
+    assert sum(p not in union for p in one_epoch) == 2 * len(union)
+    # Pure function of (seed, step), and the process slices glue back to the batch.
+    again = R.RecsysTrainInput(data, batch_size=8, num_negatives=2, seed=3, rows="shared")
+    np.testing.assert_array_equal(again.get_batch(5)["item"], inp.get_batch(5)["item"])
+    parts = [R.RecsysTrainInput(data, batch_size=8, num_negatives=2, seed=3, rows="shared",
+                                process_index=p, process_count=2) for p in range(2)]
+    np.testing.assert_array_equal(np.concatenate([p.get_batch(5)["label"] for p in parts]),
+                                  inp.get_batch(5)["label"])
+    with pytest.raises(ValueError, match="rows='sharded'"):
+        R.RecsysTrainInput(data, rows="sharded")
+    with pytest.raises(ValueError, match="task_batch_sizes"):
+        R.RecsysTrainInput(data, batch_size=8, rows="shared", task_batch_sizes=(4, 2, 2))
+
+
 def test_tmall_real_data(data_dir):
     data = R.load_tmall_pairs(data_dir / "recsys" / "tmall")
     assert (data.num_users, data.num_items) == (41738, 11953)

@@ -23,13 +23,15 @@ def _data():
     return data
 
 
-@pytest.mark.parametrize("balanced", [False, True])
-def test_run_config_trains_and_reports(balanced):
+@pytest.mark.parametrize("balanced,rows", [(False, "per_task"), (True, "per_task"),
+                                           (True, "shared")])
+def test_run_config_trains_and_reports(balanced, rows):
     optim = pytest.importorskip("ktx.optim")
     data = _data()
     result = recsys_study.run_config(
         data, balancer=optim.metabalance(relax_factor=0.5, num_tasks=3) if balanced else None, seed=1,
-        max_epochs=4, patience=2, batch_size=48, learning_rate=1e-2,
+        max_epochs=4, patience=2, batch_size=16 if rows == "shared" else 48, rows=rows,
+        learning_rate=1e-2,
         model_kwargs={"embed_dim": 8, "mlp_dims": (8, 4, 2), "tower_dims": (8, 4),
                       "dropout_rate": 0.0}, verbose=False)
     assert set(result["test"]) == {f"{m}@{k}" for m in ("ndcg", "recall", "precision") for k in (10, 20)}
