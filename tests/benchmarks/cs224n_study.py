@@ -48,6 +48,8 @@ METHODS = {
                   ["conditioning/tea_input.gin"], []),
     "tea_projected": ("TEA-BERT, task embedding projected into every layer's Q/K/V",
                       ["conditioning/tea_projected.gin"], []),
+    "tea_projected_act": ("TEA-BERT, projected task Q/K/V with an activation",
+                          ["conditioning/tea_projected_act.gin"], []),
     "mt_uncertainty": ("plain + MT-uncertainty sampling (96 candidates, 32 kept)",
                        ["runs/mt_uncertainty.gin"],
                        ["--gin.BATCH_SIZE=96", "--gin.MT_UNCERTAINTY_ROWS=32",
