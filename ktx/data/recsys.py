@@ -688,9 +688,21 @@ class RecsysTrainInput:
     shortens every epoch to its first steps (quick runs): epoch e is still drawn from
     epoch e's streams, so a shortened run sees a prefix of each full epoch.
 
+    `rows="shared"` gives every task the same rows instead, each labelled for every
+    behaviour, as the MetaBalance authors' training script feeds its model (every row
+    carries all behaviours' labels and every task's loss is taken on it): the epoch
+    stream is the union of all behaviours' training pairs (a pair is positive for the
+    behaviours it occurs in) plus `num_negatives` negatives per pair, uniform over items
+    the user has no training interaction with (labels 0 for every task). A step takes
+    `batch_size / T` consecutive pairs and lays them out as T task blocks of the same
+    pairs (task t's block labelled for behaviour t), so the per-task gradient engine and
+    the losses are those of task-partitioned batches, and `batch_size` still counts the
+    rows the model sees (the authors' 256 pairs per step with 3 behaviours: 768).
+
     Args:
       data: the preprocessed data.
-      batch_size: global rows per step (interface: BATCH_SIZE).
+      batch_size: global rows per step (interface: BATCH_SIZE); with `rows="shared"`,
+        a multiple of the number of tasks.
       num_negatives: negatives per positive.
       seed: base seed; batch(step) depends only on (seed, step).
       task_batch_sizes: explicit rows per task (sum = batch_size); default proportional
@@ -742,7 +754,13 @@ class RecsysTrainInput:
         else:
             self.rows_per_task = tuple(len(p) * (1 + num_negatives) for p in self._pos)
         if rows == "shared":
-            counts = (batch_size,) * self.num_tasks
+            if batch_size % self.num_tasks:
+                raise ValueError(
+                    f"batch_size={batch_size} with rows='shared': every one of the "
+                    f"{self.num_tasks} tasks gets the same pairs, so batch_size (rows per step) "
+                    f"must be a multiple of {self.num_tasks}, e.g. "
+                    f"{self.num_tasks * max(1, round(batch_size / self.num_tasks))}")
+            counts = (batch_size // self.num_tasks,) * self.num_tasks
         elif task_batch_sizes is None:
             counts = _largest_remainder(batch_size, self.rows_per_task)
         else:
@@ -764,11 +782,10 @@ class RecsysTrainInput:
             max_steps_per_epoch, self.full_steps_per_epoch)
         pi = jax.process_index() if process_index is None else process_index
         pc = jax.process_count() if process_count is None else process_count
-        self.global_rows = sum(counts)
-        if self.global_rows % pc or not 0 <= pi < pc:
+        if batch_size % pc or not 0 <= pi < pc:
             raise ValueError(
-                f"batch_size={batch_size} ({self.global_rows} rows per step) must divide "
-                f"evenly over process_count={pc} (process_index={pi})"
+                f"batch_size={batch_size} must divide evenly over process_count={pc} "
+                f"(process_index={pi})"
             )
         self.process_index, self.process_count = pi, pc
         self._sorted_keys = [np.sort(_keys(p, data.num_items)) for p in self._pos]
@@ -846,7 +863,7 @@ class RecsysTrainInput:
         streams = self.epoch_rows(epoch)
         parts: dict[str, list[np.ndarray]] = {"user": [], "item": [], "label": [], "task_id": []}
         if self.rows == "shared":
-            stream, b = streams[0], self.batch_size
+            stream, b = streams[0], self._counts[0]
             idx = (within * b + np.arange(b)) % len(stream["user"])
             for t in range(self.num_tasks):
                 parts["user"].append(stream["user"][idx])
@@ -864,7 +881,7 @@ class RecsysTrainInput:
     def get_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's contiguous rows of the global batch of `step`."""
         batch = self.get_global_batch(step)
-        n = self.global_rows // self.process_count
+        n = self.batch_size // self.process_count
         lo = self.process_index * n
         return {k: v[lo:lo + n] for k, v in batch.items()}
 

@@ -134,8 +134,8 @@ def test_train_input_process_slices():
 def test_shared_rows_label_every_pair_for_every_behaviour():
     data = _tiny_data()
     T = len(data.behaviours)
-    inp = R.RecsysTrainInput(data, batch_size=8, num_negatives=2, seed=3, rows="shared")
-    assert inp.task_counts(0) == (8,) * T and inp.global_rows == 8 * T
+    inp = R.RecsysTrainInput(data, batch_size=24, num_negatives=2, seed=3, rows="shared")
+    assert T == 3 and inp.task_counts(0) == (8,) * T
     known = {name: {tuple(p) for p in data.train[name]} for name in data.behaviours}
     union = set().union(*known.values())
     assert inp.rows_per_task == (3 * len(union),) * T
@@ -159,16 +159,18 @@ def test_shared_rows_label_every_pair_for_every_behaviour():
     assert {p for p in one_epoch if p in union} == union
     assert sum(p not in union for p in one_epoch) == 2 * len(union)
     # Pure function of (seed, step), and the process slices glue back to the batch.
-    again = R.RecsysTrainInput(data, batch_size=8, num_negatives=2, seed=3, rows="shared")
+    again = R.RecsysTrainInput(data, batch_size=24, num_negatives=2, seed=3, rows="shared")
     np.testing.assert_array_equal(again.get_batch(5)["item"], inp.get_batch(5)["item"])
-    parts = [R.RecsysTrainInput(data, batch_size=8, num_negatives=2, seed=3, rows="shared",
+    parts = [R.RecsysTrainInput(data, batch_size=24, num_negatives=2, seed=3, rows="shared",
                                 process_index=p, process_count=2) for p in range(2)]
     np.testing.assert_array_equal(np.concatenate([p.get_batch(5)["label"] for p in parts]),
                                   inp.get_batch(5)["label"])
     with pytest.raises(ValueError, match="rows='sharded'"):
         R.RecsysTrainInput(data, rows="sharded")
     with pytest.raises(ValueError, match="task_batch_sizes"):
-        R.RecsysTrainInput(data, batch_size=8, rows="shared", task_batch_sizes=(4, 2, 2))
+        R.RecsysTrainInput(data, batch_size=24, rows="shared", task_batch_sizes=(8, 8, 8))
+    with pytest.raises(ValueError, match="multiple of 3, e.g. 255"):
+        R.RecsysTrainInput(data, batch_size=256, rows="shared")
 
 
 def test_tmall_real_data(data_dir):

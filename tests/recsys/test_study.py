@@ -30,7 +30,7 @@ def test_run_config_trains_and_reports(balanced, rows):
     data = _data()
     result = recsys_study.run_config(
         data, balancer=optim.metabalance(relax_factor=0.5, num_tasks=3) if balanced else None, seed=1,
-        max_epochs=4, patience=2, batch_size=16 if rows == "shared" else 48, rows=rows,
+        max_epochs=4, patience=2, batch_size=48, rows=rows,
         learning_rate=1e-2,
         model_kwargs={"embed_dim": 8, "mlp_dims": (8, 4, 2), "tower_dims": (8, 4),
                       "dropout_rate": 0.0}, verbose=False)
