@@ -44,6 +44,24 @@ def _flags(data_dir, model_dir, *extra):
     ]
 
 
+def test_ktx_train_with_shared_rows_and_more_negatives(tmp_path):
+    """TRAIN_ROWS='shared' and NUM_NEGATIVES reach ktx train's input (the authors' layout)."""
+    data_dir = _write_tmall_folder(tmp_path / "tmall")
+    model_dir = tmp_path / "run"
+    rc = cli.main(["train", "--gin_file=experiments/recsys/metabalance.gin",
+                   "--gin_file=runs/recsys_train.gin",
+                   *_flags(data_dir, model_dir, "--gin.MAX_EPOCHS=1", "--gin.NUM_NEGATIVES=2",
+                           "--gin.TRAIN_ROWS='shared'")])
+    assert rc == 0
+    shared = R.RecsysTrainInput(R.load_tmall_pairs(data_dir), batch_size=48, num_negatives=2,
+                                rows="shared")
+    saved = [int(p.name) for p in (model_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved == [shared.steps_per_epoch]
+    train_rows = [r for r in read_metrics(model_dir) if r["split"] == "train" and r["task"] != "all"]
+    # Every behaviour saw the same number of rows (16 pairs per step each).
+    assert len({r["examples"] for r in train_rows}) == 1
+
+
 def test_ktx_train_and_eval_a_recsys_experiment(tmp_path, capsys):
     data_dir = _write_tmall_folder(tmp_path / "tmall")
     model_dir = tmp_path / "run"
