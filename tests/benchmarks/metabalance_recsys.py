@@ -56,8 +56,10 @@ NAMES = {
 }
 
 
-def run_experiment(name: str, data, bindings: dict[str, object]) -> dict:
-    """Parses `gin/experiments/recsys/<name>.gin` with `bindings` and runs it on `data`."""
+def run_experiment(name: str, data, bindings: dict[str, object],
+                   model_dir: pathlib.Path | None = None) -> dict:
+    """Parses `gin/experiments/recsys/<name>.gin` with `bindings` and runs it on `data`
+    (in `model_dir`, a `ktx train` run directory, when given; else a temporary one)."""
     path = EXPERIMENTS / f"{name}.gin"
     if not path.is_file():
         known = sorted(p.stem for p in EXPERIMENTS.glob("*.gin") if p.stem != "base")
@@ -65,7 +67,8 @@ def run_experiment(name: str, data, bindings: dict[str, object]) -> dict:
     gin.clear_config(clear_constants=True)
     try:
         cli.parse_gin([str(path)], [(k, repr(v)) for k, v in bindings.items()])
-        return gin.get_configurable(recsys_study.run_config)(data=data, verbose=False)
+        return gin.get_configurable(recsys_study.run_config)(
+            data=data, verbose=False, model_dir=model_dir)
     finally:
         gin.clear_config(clear_constants=True)
 
@@ -124,6 +127,10 @@ def main() -> None:
                     help="folder of finished runs' records (one JSON each, keyed by "
                          "experiment, seed, bindings and budget): reused, and added to")
     ap.add_argument("--data_dir", default=None)
+    ap.add_argument("--work_dir", default=None,
+                    help="keep each run's ktx train directory (checkpoints, metrics.jsonl, "
+                         "TensorBoard) under this folder, named as its record; default: "
+                         "temporary directories, removed after each run")
     ap.add_argument("--out", default=str(REPO / "docs" / "results_recsys.md"))
     ap.add_argument("--png", default=str(REPO / "docs" / "results_recsys_relax.png"))
     # Extra gin bindings for every run, as `ktx train` takes them (a Python literal value;
@@ -169,7 +176,8 @@ def main() -> None:
                 raise ValueError(f"{path}: its key {record['key']} is not this run's {key}")
             r = record["result"]
         else:
-            r = run_experiment(name, data, bindings)
+            r = run_experiment(name, data, bindings, model_dir=pathlib.Path(
+                args.work_dir).resolve() / path.stem if args.work_dir else None)
             r = json.loads(json.dumps(r, default=float))  # plain floats, as recorded
             records.mkdir(parents=True, exist_ok=True)
             record = {"experiment": name, "seed": seed, "bindings": bindings, "key": key,
