@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "docs" / "results_recsys.md"))
     ap.add_argument("--png", default=str(REPO / "docs" / "results_recsys_relax.png"))
     # Extra gin bindings for every run, as `ktx train` takes them (a Python literal value;
-    # part of each record's key): --gin.recsys_study.run_config.num_negatives=4
+    # part of each record's key): --gin.NUM_NEGATIVES=4
     rest, extra_bindings = cli._split_gin_flags(sys.argv[1:])
     args = ap.parse_args(rest)
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -156,7 +156,7 @@ def main() -> None:
             budget[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             raise SystemExit(f"--gin.{name}={value}: the value must be a Python literal, "
-                             "e.g. --gin.recsys_study.run_config.num_negatives=4") from None
+                             "e.g. --gin.NUM_NEGATIVES=4") from None
     if args.data_dir:
         budget["recsys_data.load_tmall_pairs.directory"] = str(pathlib.Path(args.data_dir) / "recsys" / "tmall")
     data = recsys_data.load_tmall_pairs(budget.get("recsys_data.load_tmall_pairs.directory"))
