@@ -734,7 +734,7 @@ class RecsysTrainInput:
         if rows == "shared" and task_batch_sizes is not None:
             raise ValueError(
                 f"task_batch_sizes={task_batch_sizes!r} with rows='shared': every task gets "
-                "the step's batch_size pairs; leave task_batch_sizes unset")
+                "the same batch_size / T pairs; leave task_batch_sizes unset")
         self.rows = rows
         if not isinstance(num_negatives, int) or num_negatives < 0:
             raise ValueError(f"num_negatives={num_negatives!r}: expected a non-negative int")
@@ -751,9 +751,6 @@ class RecsysTrainInput:
         if rows == "shared":
             self._union = _unique_pairs(np.concatenate(self._pos))
             self.rows_per_task = (len(self._union) * (1 + num_negatives),) * self.num_tasks
-        else:
-            self.rows_per_task = tuple(len(p) * (1 + num_negatives) for p in self._pos)
-        if rows == "shared":
             if batch_size % self.num_tasks:
                 raise ValueError(
                     f"batch_size={batch_size} with rows='shared': every one of the "
@@ -761,15 +758,17 @@ class RecsysTrainInput:
                     f"must be a multiple of {self.num_tasks}, e.g. "
                     f"{self.num_tasks * max(1, round(batch_size / self.num_tasks))}")
             counts = (batch_size // self.num_tasks,) * self.num_tasks
-        elif task_batch_sizes is None:
-            counts = _largest_remainder(batch_size, self.rows_per_task)
         else:
-            counts = tuple(int(c) for c in task_batch_sizes)
-            if len(counts) != self.num_tasks or min(counts) < 1 or sum(counts) != batch_size:
-                raise ValueError(
-                    f"task_batch_sizes={task_batch_sizes!r}: expected {self.num_tasks} positive ints "
-                    f"summing to batch_size={batch_size}"
-                )
+            self.rows_per_task = tuple(len(p) * (1 + num_negatives) for p in self._pos)
+            if task_batch_sizes is None:
+                counts = _largest_remainder(batch_size, self.rows_per_task)
+            else:
+                counts = tuple(int(c) for c in task_batch_sizes)
+                if len(counts) != self.num_tasks or min(counts) < 1 or sum(counts) != batch_size:
+                    raise ValueError(
+                        f"task_batch_sizes={task_batch_sizes!r}: expected {self.num_tasks} "
+                        f"positive ints summing to batch_size={batch_size}"
+                    )
         self._counts = counts
         self.full_steps_per_epoch = int(max(-(-r // c) for r, c in zip(self.rows_per_task, counts)))
         if max_steps_per_epoch is not None and (

@@ -1,8 +1,8 @@
 """Trains one configuration of the MetaBalance recommendation study (He et al., 2022).
 
 `run_config` is `ktx train` followed by the test ranking of `ktx eval`: it trains
-`RecsysModel` on a task-partitioned `RecsysTrainInput` with a given balancer (a
-`ktx.optim` transformation, or None for the plain summed loss) and seed through
+`RecsysModel` on a `RecsysTrainInput` (task-partitioned or shared rows) with a given
+balancer (a `ktx.optim` transformation, or None for the plain summed loss) and seed through
 `ktx.runs.train.train` (the same loop, compiled step, checkpoints and metrics.jsonl; up
 to `steps_per_call` scanned steps per call, sparse per-task table gradients on the
 balanced path), ranks the validation users every `eval_every` epochs with a
