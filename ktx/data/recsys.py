@@ -847,9 +847,8 @@ class RecsysTrainInput:
         items = np.concatenate([pos[:, 1], self._negatives(self._union_keys, neg_users, rng)])
         keys = _keys(pos, self.data.num_items)
         labels = np.zeros((len(users), self.num_tasks), np.float32)
-        for t, sorted_keys in enumerate(self._sorted_keys):
-            at = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
-            labels[:len(pos), t] = sorted_keys[at] == keys
+        for t, task_keys in enumerate(self._sorted_keys):
+            labels[:len(pos), t] = np.isin(keys, task_keys)
         order = rng.permutation(len(users))
         return {"user": users[order].astype(np.int32), "item": items[order].astype(np.int32),
                 "labels": labels[order]}
