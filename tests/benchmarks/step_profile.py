@@ -1,0 +1,265 @@
+"""Where a balanced training step's time goes, against the plain step, on any backend.
+
+`per_task_grads.py` gives the ratio balanced / plain; this script says why. For one
+model (T5.1.1 at `--t5_size` tiny or small, or the recommendation model) it builds the
+compiled step `ktx train` runs (`ktx.training.trainer.Trainer.train_step`) for a set of
+variants, each changing one thing against MetaBalance's default path:
+
+* `plain`: no balancer; `metabalance`: task blocks, sparse embedding rows (the default);
+* `metabalance_dense`: the same without sparse rows (dense per-task embedding gradients);
+* `metabalance_vjp`: per-task gradients through the VJP engine instead of task blocks;
+* `vanilla_multi`: a loss-weighting balancer, one backward pass of the weighted loss;
+* `plain_nodrop`, `metabalance_nodrop`: both with dropout 0 (no per-row dropout keys).
+
+It times them interleaved (`--repeats` rounds of `--steps` steps, order rotated), then,
+for the variants named in `--profile`, records `--profile_steps` steps with
+`jax.profiler.trace` and reads the trace back (`jax.profiler.ProfileData`): per step, the
+device's kernels (count, busy time: the union of their intervals on the device's
+streams), its HLO ops grouped by name (fusion kinds, sorts, copies, while loops), and the
+host's time in `Trainer.train_step`. On a GPU a step at these sizes is launch-bound: the
+kernel count and the gaps between kernels say where the extra time of the balanced step
+goes. On the CPU the same summary reads XLA:CPU's thunk events.
+
+    PYTHONPATH=. python tests/benchmarks/step_profile.py --model t5 --t5_size tiny \
+        --profile plain,metabalance
+
+Last line: one JSON object (`variants`: ms per step, median and min, and ratio to the
+variant's plain counterpart; `profile`: the summaries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+import optax
+
+from per_task_grads import T, _balancer  # noqa: E402 - beside this script
+
+VARIANTS = {
+    "plain": {},
+    "metabalance": {"balancer": "metabalance"},
+    "metabalance_dense": {"balancer": "metabalance", "sparse_tables": ()},
+    "metabalance_vjp": {"balancer": "metabalance", "grad_method": "vjp"},
+    "vanilla_multi": {"balancer": "vanilla_multi"},
+    "plain_nodrop": {"dropout": 0.0},
+    "metabalance_nodrop": {"balancer": "metabalance", "dropout": 0.0},
+}
+
+T5_SIZES = {
+    # per_task_grads.py's T5.1.1-tiny shapes
+    "tiny": dict(emb_dim=32, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
+                 head_dim=16, mlp_dim=64),
+    # T5.1.1-small (T5Config's defaults)
+    "small": {},
+}
+
+
+def _t5(size, per_task, lengths, dropout):
+    from ktx.models import t5
+    from ktx.models.seq2seq import EncoderDecoderModel
+
+    config = t5.T5Config(vocab_size=32128, dropout_rate=dropout, **T5_SIZES[size])
+    model = EncoderDecoderModel(config, num_tasks=T)
+    r = np.random.default_rng(0)
+    n, (le, ld) = T * per_task, lengths
+    batch = {
+        "encoder_input_tokens": r.integers(2, 1000, (n, le)).astype(np.int32),
+        "decoder_input_tokens": r.integers(2, 1000, (n, ld)).astype(np.int32),
+        "decoder_target_tokens": r.integers(2, 1000, (n, ld)).astype(np.int32),
+        "decoder_loss_weights": np.ones((n, ld), np.float32),
+        "task_id": np.repeat(np.arange(T), per_task).astype(np.int32),
+    }
+    return model, batch
+
+
+def _recsys(per_task, dropout):
+    from ktx.models.recsys import RecsysModel
+
+    num_users, num_items = 41738, 11953  # Tmall sizes, as per_task_grads.py
+    model = RecsysModel(num_users=num_users, num_items=num_items, num_tasks=T,
+                        dropout_rate=dropout)
+    r = np.random.default_rng(0)
+    n = T * per_task
+    batch = {
+        "user": r.integers(0, num_users, n).astype(np.int32),
+        "item": r.integers(0, num_items, n).astype(np.int32),
+        "label": r.integers(0, 2, n).astype(np.float32),
+        "task_id": np.repeat(np.arange(T), per_task).astype(np.int32),
+    }
+    return model, batch
+
+
+def build(args, name):
+    """(trainer, state, host batch, counts) of one variant, compiled once."""
+    from ktx.training.trainer import Trainer
+
+    spec = VARIANTS[name]
+    if args.model == "t5":
+        dropout = spec.get("dropout", 0.1)
+        model, batch = _t5(args.t5_size, args.rows_per_task, (args.le, args.ld), dropout)
+    else:
+        dropout = spec.get("dropout", 0.5)
+        model, batch = _recsys(args.rows_per_task, dropout)
+    balancer = spec.get("balancer")
+    fields = {k: spec[k] for k in ("sparse_tables", "grad_method") if k in spec}
+    tr = Trainer(model, optax.adam(1e-3),
+                 balancer=None if balancer is None else _balancer(balancer),
+                 shared=getattr(model, "shared_param_patterns", None),
+                 diagnostics_period=100, **fields)
+    counts = (args.rows_per_task,) * T
+    state = tr.init_state(jax.random.key(0), batch)
+    t0 = time.perf_counter()
+    state, m = tr.train_step(state, batch, jax.random.key(1), task_counts=counts)
+    jax.block_until_ready(m["loss"])
+    return [tr, state, batch, counts, time.perf_counter() - t0]
+
+
+def _steps(run, n):
+    tr, state, batch, counts = run[:4]
+    for _ in range(n):
+        state, m = tr.train_step(state, batch, jax.random.key(1), task_counts=counts)
+    jax.block_until_ready(m["loss"])
+    run[1] = state
+
+
+def _group(name):
+    """An HLO instruction's name without its numeric suffix (`loop_add_fusion.12` ->
+    `loop_add_fusion`), or a kernel name cut short."""
+    return re.sub(r"(\.\d+)+$", "", name)[:60]
+
+
+def _union_ns(intervals):
+    total, end = 0, -1
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def summarize(xplane, steps, top):
+    """Per-step figures of one trace: device kernels and ops, host time in train_step."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(xplane)
+    out = {"lines": {}}
+    for plane in data.planes:
+        if plane.name.startswith("/device:"):
+            kernels, ops = [], collections.Counter()
+            op_ns = collections.Counter()
+            for line in plane.lines:
+                events = list(line.events)
+                if line.name == "XLA Ops":
+                    for e in events:
+                        ops[_group(e.name)] += 1
+                        op_ns[_group(e.name)] += e.duration_ns
+                elif line.name.startswith("Stream"):
+                    kernels.extend((e.start_ns, e.end_ns) for e in events)
+                out["lines"][f"{plane.name}|{line.name}"] = len(events) / steps
+            if kernels:
+                span = max(e for _, e in kernels) - min(s for s, _ in kernels)
+                out["device"] = {
+                    "kernels_per_step": round(len(kernels) / steps, 1),
+                    "busy_ms_per_step": round(_union_ns(kernels) / steps / 1e6, 3),
+                    "span_ms_per_step": round(span / steps / 1e6, 3),
+                }
+            if ops:
+                out["ops_per_step"] = round(sum(ops.values()) / steps, 1)
+                out["top_ops"] = [
+                    [k, round(ops[k] / steps, 1), round(op_ns[k] / steps / 1e3, 1)]
+                    for k, _ in op_ns.most_common(top)]
+        elif plane.name == "/host:CPU":
+            host = collections.Counter()
+            count = collections.Counter()
+            for line in plane.lines:
+                for e in line.events:
+                    if line.name == "python":
+                        if e.name.endswith(" train_step") or e.name.endswith(" _run"):
+                            host[e.name.split()[-1]] += e.duration_ns
+                            count[e.name.split()[-1]] += 1
+                    else:
+                        key = _group(e.name)
+                        host[key] += e.duration_ns
+                        count[key] += 1
+            out["host_top"] = [[k, round(count[k] / steps, 1), round(v / steps / 1e3, 1)]
+                               for k, v in host.most_common(top)]
+            # the Python call that dispatches the step (its compiled call is asynchronous)
+            out["host_train_step_ms"] = round(host["train_step"] / steps / 1e6, 3)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("t5", "recsys"), default="t5")
+    p.add_argument("--t5_size", choices=tuple(T5_SIZES), default="tiny")
+    p.add_argument("--le", type=int, default=32, help="T5 encoder length")
+    p.add_argument("--ld", type=int, default=8, help="T5 decoder length")
+    p.add_argument("--rows_per_task", type=int, default=None,
+                   help="default: 4 (T5), 64 (recsys), as per_task_grads.py")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", default="plain,metabalance",
+                   help="variants to trace ('' for none)")
+    p.add_argument("--profile_steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--trace_dir", default=None, help="keep the traces here")
+    args = p.parse_args(argv)
+    if args.rows_per_task is None:
+        args.rows_per_task = 4 if args.model == "t5" else 64
+    names = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; accepted: {sorted(VARIANTS)}")
+    runs = {}
+    for name in names:
+        runs[name] = build(args, name)
+        print(f"compiled {name}: {runs[name][4]:.1f} s", flush=True)
+    times = {name: [] for name in names}
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            _steps(runs[name], args.steps)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    variants = {}
+    for name in names:
+        med = statistics.median(times[name])
+        base = "plain_nodrop" if name.endswith("_nodrop") else "plain"
+        row = {"median_ms": round(med * 1e3, 3), "min_ms": round(min(times[name]) * 1e3, 3)}
+        if base in times and name != base:
+            row["ratio"] = round(med / statistics.median(times[base]), 3)
+        variants[name] = row
+        print(json.dumps({name: row}), flush=True)
+    profile = {}
+    trace_root = args.trace_dir or tempfile.mkdtemp(prefix="ktx_step_profile_")
+    for name in [v for v in args.profile.split(",") if v in runs]:
+        _steps(runs[name], 2)
+        directory = os.path.join(trace_root, name)
+        with jax.profiler.trace(directory):
+            _steps(runs[name], args.profile_steps)
+        files = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+        profile[name] = summarize(max(files, key=os.path.getmtime), args.profile_steps,
+                                  args.top)
+        print(json.dumps({"profile": {name: profile[name]}}), flush=True)
+    print(json.dumps({
+        "benchmark": "step_profile", "model": args.model,
+        "t5_size": args.t5_size if args.model == "t5" else None,
+        "rows_per_task": args.rows_per_task, "device": str(jax.devices()[0]),
+        "jax": jax.__version__, "variants": variants, "profile": profile}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
