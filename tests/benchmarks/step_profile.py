@@ -43,8 +43,7 @@ import time
 import jax
 import numpy as np
 import optax
-
-from per_task_grads import T, _balancer  # noqa: E402 - beside this script
+from per_task_grads import T, _balancer  # beside this script
 
 VARIANTS = {
     "plain": {},
@@ -58,8 +57,8 @@ VARIANTS = {
 
 T5_SIZES = {
     # per_task_grads.py's T5.1.1-tiny shapes
-    "tiny": dict(emb_dim=32, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
-                 head_dim=16, mlp_dim=64),
+    "tiny": {"emb_dim": 32, "num_heads": 2, "num_encoder_layers": 2,
+             "num_decoder_layers": 2, "head_dim": 16, "mlp_dim": 64},
     # T5.1.1-small (T5Config's defaults)
     "small": {},
 }
