@@ -156,16 +156,19 @@ def summarize(xplane, steps, top):
     out = {"lines": {}}
     for plane in data.planes:
         if plane.name.startswith("/device:"):
-            kernels, ops = [], collections.Counter()
-            op_ns = collections.Counter()
+            kernels, names, name_ns = [], collections.Counter(), collections.Counter()
+            ops, op_ns = collections.Counter(), collections.Counter()
             for line in plane.lines:
                 events = list(line.events)
-                if line.name == "XLA Ops":
+                if line.name == "XLA Ops":  # HLO ops, where the backend records them
                     for e in events:
                         ops[_group(e.name)] += 1
                         op_ns[_group(e.name)] += e.duration_ns
                 elif line.name.startswith("Stream"):
-                    kernels.extend((e.start_ns, e.end_ns) for e in events)
+                    for e in events:
+                        kernels.append((e.start_ns, e.end_ns))
+                        names[_group(e.name)] += 1
+                        name_ns[_group(e.name)] += e.duration_ns
                 out["lines"][f"{plane.name}|{line.name}"] = len(events) / steps
             if kernels:
                 span = max(e for _, e in kernels) - min(s for s, _ in kernels)
@@ -174,24 +177,27 @@ def summarize(xplane, steps, top):
                     "busy_ms_per_step": round(_union_ns(kernels) / steps / 1e6, 3),
                     "span_ms_per_step": round(span / steps / 1e6, 3),
                 }
+                out["top_kernels"] = [
+                    [k, round(names[k] / steps, 1), round(name_ns[k] / steps / 1e3, 1)]
+                    for k, _ in names.most_common(top)]
             if ops:
                 out["ops_per_step"] = round(sum(ops.values()) / steps, 1)
                 out["top_ops"] = [
                     [k, round(ops[k] / steps, 1), round(op_ns[k] / steps / 1e3, 1)]
                     for k, _ in op_ns.most_common(top)]
         elif plane.name == "/host:CPU":
-            host = collections.Counter()
-            count = collections.Counter()
+            host, count = collections.Counter(), collections.Counter()
             for line in plane.lines:
                 for e in line.events:
-                    if line.name == "python":
-                        if e.name.endswith(" train_step") or e.name.endswith(" _run"):
-                            host[e.name.split()[-1]] += e.duration_ns
-                            count[e.name.split()[-1]] += 1
-                    else:
-                        key = _group(e.name)
-                        host[key] += e.duration_ns
-                        count[key] += 1
+                    # Python frames are named "$file.py:line function"; keep the step's
+                    # dispatch only (the trace's own start and stop are not the step's)
+                    if e.name.startswith("$"):
+                        if e.name.endswith(" train_step") and "trainer.py" in e.name:
+                            host["train_step"] += e.duration_ns
+                            count["train_step"] += 1
+                        continue
+                    host[_group(e.name)] += e.duration_ns
+                    count[_group(e.name)] += 1
             out["host_top"] = [[k, round(count[k] / steps, 1), round(v / steps / 1e3, 1)]
                                for k, v in host.most_common(top)]
             # the Python call that dispatches the step (its compiled call is asynchronous)
