@@ -305,8 +305,10 @@ def train_step(
     optimizer saw: the balanced one on the balanced path), `update_norm`, `param_norm`.
     `diagnostics` holds `ktx.optim.diagnostics(task_grads, balancer_state,
     target_task=...)` (per-group gradient norms, cosines to the target, MetaBalance
-    weights) on the balanced path's logged steps (zeros elsewhere; `diagnostics_logged`
-    says which), `{}` on the plain path.
+    weights) on the balanced path's logged steps; on its other steps zeros in a step
+    compiled with the diagnostics' `lax.cond` (`options.log_diagnostics` None: every step
+    of a scanned block has one structure) and `{}` in a step compiled not to log
+    (`diagnostics_logged` says which steps logged); `{}` on the plain path.
     """
     num_tasks = model.num_tasks
     step_rng = jax.random.fold_in(rng, state.step)
@@ -389,8 +391,11 @@ def train_step(
                 out = optim.loss_weighted_gradient(
                     loss_sums, normalizer, params, batch, weights, num_tasks=num_tasks,
                     shared=options.shared, sparse_tables=options.sparse_tables)
+                # zeros only where a cond needs both branches alike: a step compiled
+                # not to log returns none (hundreds of scalar outputs otherwise, each a
+                # buffer the host allocates and, on a GPU, a kernel that writes it)
                 no_diagnostics = (_zeros_like_tree(jax.eval_shape(logged_step)[4])
-                                  if options.diagnostics_period else {})
+                                  if static is None else {})
                 return (*out, no_diagnostics)
 
             if static is None:
@@ -402,9 +407,9 @@ def train_step(
             task_losses, aux, grads, balancer_state, per_task = per_task_step()
             if static:
                 diagnostics = diagnostics_of(per_task, balancer_state)
-            elif options.diagnostics_period:
+            elif static is None:
                 zeros = _zeros_like_tree(jax.eval_shape(diagnostics_of, per_task, balancer_state))
-                diagnostics = zeros if static is False else jax.lax.cond(
+                diagnostics = jax.lax.cond(
                     logged, lambda: diagnostics_of(per_task, balancer_state), lambda: zeros)
         grads, updates, opt_state = optimizer.apply_balanced(
             grads, balancer_state, state.opt_state, params)
