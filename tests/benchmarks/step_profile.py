@@ -23,8 +23,9 @@ goes. On the CPU the same summary reads XLA:CPU's thunk events.
     PYTHONPATH=. python tests/benchmarks/step_profile.py --model t5 --t5_size tiny \
         --profile plain,metabalance
 
-Last line: one JSON object (`variants`: ms per step, median and min, and ratio to the
-variant's plain counterpart; `profile`: the summaries).
+Last line: one JSON object (`variants`: ms per step, median and min, ratio to the
+variant's plain counterpart, and the step's outputs, its state and metrics leaves;
+`profile`: the summaries).
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ def build(args, name):
     t0 = time.perf_counter()
     state, m = tr.train_step(state, batch, jax.random.key(1), task_counts=counts)
     jax.block_until_ready(m["loss"])
-    return [tr, state, batch, counts, time.perf_counter() - t0]
+    # the step's outputs: each a buffer per step (and on a GPU a write of its own)
+    outputs = len(jax.tree.leaves((state, m)))
+    return [tr, state, batch, counts, time.perf_counter() - t0, outputs]
 
 
 def _steps(run, n):
@@ -242,7 +245,8 @@ def main(argv=None):
     for name in names:
         med = statistics.median(times[name])
         base = "plain_nodrop" if name.endswith("_nodrop") else "plain"
-        row = {"median_ms": round(med * 1e3, 3), "min_ms": round(min(times[name]) * 1e3, 3)}
+        row = {"median_ms": round(med * 1e3, 3), "min_ms": round(min(times[name]) * 1e3, 3),
+               "outputs": runs[name][5]}
         if base in times and name != base:
             row["ratio"] = round(med / statistics.median(times[base]), 3)
         variants[name] = row
