@@ -42,7 +42,11 @@ from ktx.training.summaries import read_metrics
 from ktx.training.trainer import Trainer
 
 __all__ = [
-    "SPARSE_TABLES", "adam_l2", "build_model", "study_trainer", "run_config",
+    "SPARSE_TABLES",
+    "adam_l2",
+    "build_model",
+    "run_config",
+    "study_trainer",
 ]
 
 
@@ -162,7 +166,9 @@ def run_config(
       dict with `best_epoch`, `epochs`, `validation` and `test` metrics at the best epoch,
       `history` (per-evaluation validation NDCG@10), `train_loss` (each epoch's mean
       training objective), `train_seconds_per_epoch` (wall time of the training loop
-      less the evaluations, per epoch: compilation and checkpoints included),
+      less the evaluations, per epoch this call trained: compilation and checkpoints
+      included), `resumed_from_epoch` (0, or the epoch of the checkpoint a run
+      directory given as `model_dir` resumed from),
       `steps_per_epoch`, `eval_seconds`.
     """
     if not isinstance(max_epochs, int) or max_epochs < 1:
@@ -185,6 +191,12 @@ def run_config(
             model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="ktx-recsys-"))
         if not verbose:
             stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        # A run directory with checkpoints resumes from the latest (an interrupted study
+        # run given the same directory): the time below is this call's epochs only.
+        ckpts = RunDir(model_dir).checkpoints
+        resumed_step = max((int(c.name) for c in ckpts.iterdir()
+                            if c.name.isdigit() and (c / "state").is_dir()),
+                           default=0) if ckpts.is_dir() else 0
         t0 = time.perf_counter()
         state = train(
             model=model, train_input=train_input, model_dir=model_dir,
@@ -223,7 +235,8 @@ def run_config(
         "history": [history[s]["ndcg@10"] for s in sorted(history)],
         "train_loss": [r["objective"] for r in records
                        if r["split"] == "train" and r["task"] == "all"],
-        "train_seconds_per_epoch": train_seconds / epochs,
+        "train_seconds_per_epoch": train_seconds / max(epochs - resumed_step // n_steps, 1),
+        "resumed_from_epoch": resumed_step // n_steps,
         "steps_per_epoch": n_steps,
         "eval_seconds": validation.seconds + test_seconds,
     }

@@ -5,8 +5,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from ktx.studies import recsys as recsys_study
 from ktx.data import recsys as R
+from ktx.studies import recsys as recsys_study
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -95,3 +95,28 @@ def test_run_config_is_a_ktx_train_run(tmp_path):
     test = {k[5:]: v for k, v in summary.metrics[best_step][data.target].items()
             if k.startswith("test/")}
     assert test == pytest.approx(result["test"], rel=1e-6)
+
+
+def test_interrupted_run_config_resumes_in_its_directory(tmp_path):
+    """A study run stopped after its first epochs and run again on the same directory
+    continues from its checkpoint and ends as the uninterrupted run does; the result says
+    where it resumed and times only the epochs it trained."""
+    optim = pytest.importorskip("ktx.optim")
+    data = _data()
+
+    def run(model_dir, max_epochs):
+        return recsys_study.run_config(
+            data, balancer=optim.metabalance(relax_factor=0.5, num_tasks=3), seed=3,
+            max_epochs=max_epochs, patience=5, batch_size=48, learning_rate=1e-2,
+            steps_per_epoch=3, model_kwargs={"embed_dim": 8, "mlp_dims": (8, 4, 2),
+                                             "tower_dims": (8, 4), "dropout_rate": 0.0},
+            model_dir=model_dir, verbose=False)
+
+    straight = run(tmp_path / "straight", 3)
+    first = run(tmp_path / "pieces", 1)
+    resumed = run(tmp_path / "pieces", 3)
+    assert (straight["resumed_from_epoch"], first["resumed_from_epoch"]) == (0, 0)
+    assert resumed["resumed_from_epoch"] == 1 and resumed["epochs"] == 3
+    np.testing.assert_allclose(resumed["history"], straight["history"], rtol=1e-6)
+    np.testing.assert_allclose(resumed["train_loss"], straight["train_loss"], rtol=1e-6)
+    assert resumed["test"] == pytest.approx(straight["test"], rel=1e-6)
