@@ -274,11 +274,12 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     return ratios, out
 
 
-def _recsys_setup(per_task):
+def _recsys_setup(per_task, dropout_rate=0.5):
     from ktx.models.recsys import RecsysModel
 
     num_users, num_items = 41738, 11953  # Tmall sizes
-    model = RecsysModel(num_users=num_users, num_items=num_items, num_tasks=T, dropout_rate=0.5)
+    model = RecsysModel(num_users=num_users, num_items=num_items, num_tasks=T,
+                        dropout_rate=dropout_rate)
     r = np.random.default_rng(0)
     n = T * per_task
     batch = {
@@ -290,15 +291,21 @@ def _recsys_setup(per_task):
     return model, batch, [r"^user_embedding/embedding$", r"^item_embedding/embedding$"]
 
 
-def _t5_setup(per_task):
+# T5.1.1 layout at tiny width
+T5_TINY = {"emb_dim": 32, "num_heads": 2, "num_encoder_layers": 2, "num_decoder_layers": 2,
+           "head_dim": 16, "mlp_dim": 64}
+
+
+def _t5_setup(per_task, dropout_rate=0.1, shapes=None, lengths=(32, 8)):
+    """T5.1.1 of `shapes` (`T5Config` fields; default `T5_TINY`) on random tokens."""
     from ktx.models import t5
     from ktx.models.seq2seq import EncoderDecoderModel
 
-    config = t5.T5Config(vocab_size=32128, emb_dim=32, num_heads=2, num_encoder_layers=2,
-                         num_decoder_layers=2, head_dim=16, mlp_dim=64, dropout_rate=0.1)
+    config = t5.T5Config(vocab_size=32128, dropout_rate=dropout_rate,
+                         **(T5_TINY if shapes is None else shapes))
     model = EncoderDecoderModel(config, num_tasks=T)
     r = np.random.default_rng(0)
-    n, le, ld = T * per_task, 32, 8
+    n, (le, ld) = T * per_task, lengths
     batch = {
         "encoder_input_tokens": r.integers(2, 1000, (n, le)).astype(np.int32),
         "decoder_input_tokens": r.integers(2, 1000, (n, ld)).astype(np.int32),

@@ -42,9 +42,14 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 import optax
-from per_task_grads import T, _balancer  # beside this script
+from per_task_grads import (  # beside this script
+    T5_TINY,
+    T,
+    _balancer,
+    _recsys_setup,
+    _t5_setup,
+)
 
 VARIANTS = {
     "plain": {},
@@ -56,48 +61,7 @@ VARIANTS = {
     "metabalance_nodrop": {"balancer": "metabalance", "dropout": 0.0},
 }
 
-T5_SIZES = {
-    # per_task_grads.py's T5.1.1-tiny shapes
-    "tiny": {"emb_dim": 32, "num_heads": 2, "num_encoder_layers": 2,
-             "num_decoder_layers": 2, "head_dim": 16, "mlp_dim": 64},
-    # T5.1.1-small (T5Config's defaults)
-    "small": {},
-}
-
-
-def _t5(size, per_task, lengths, dropout):
-    from ktx.models import t5
-    from ktx.models.seq2seq import EncoderDecoderModel
-
-    config = t5.T5Config(vocab_size=32128, dropout_rate=dropout, **T5_SIZES[size])
-    model = EncoderDecoderModel(config, num_tasks=T)
-    r = np.random.default_rng(0)
-    n, (le, ld) = T * per_task, lengths
-    batch = {
-        "encoder_input_tokens": r.integers(2, 1000, (n, le)).astype(np.int32),
-        "decoder_input_tokens": r.integers(2, 1000, (n, ld)).astype(np.int32),
-        "decoder_target_tokens": r.integers(2, 1000, (n, ld)).astype(np.int32),
-        "decoder_loss_weights": np.ones((n, ld), np.float32),
-        "task_id": np.repeat(np.arange(T), per_task).astype(np.int32),
-    }
-    return model, batch
-
-
-def _recsys(per_task, dropout):
-    from ktx.models.recsys import RecsysModel
-
-    num_users, num_items = 41738, 11953  # Tmall sizes, as per_task_grads.py
-    model = RecsysModel(num_users=num_users, num_items=num_items, num_tasks=T,
-                        dropout_rate=dropout)
-    r = np.random.default_rng(0)
-    n = T * per_task
-    batch = {
-        "user": r.integers(0, num_users, n).astype(np.int32),
-        "item": r.integers(0, num_items, n).astype(np.int32),
-        "label": r.integers(0, 2, n).astype(np.float32),
-        "task_id": np.repeat(np.arange(T), per_task).astype(np.int32),
-    }
-    return model, batch
+T5_SIZES = {"tiny": T5_TINY, "small": {}}  # small: T5.1.1-small, T5Config's defaults
 
 
 def build(args, name):
@@ -106,11 +70,10 @@ def build(args, name):
 
     spec = VARIANTS[name]
     if args.model == "t5":
-        dropout = spec.get("dropout", 0.1)
-        model, batch = _t5(args.t5_size, args.rows_per_task, (args.le, args.ld), dropout)
+        model, batch, _ = _t5_setup(args.rows_per_task, spec.get("dropout", 0.1),
+                                    T5_SIZES[args.t5_size], (args.le, args.ld))
     else:
-        dropout = spec.get("dropout", 0.5)
-        model, batch = _recsys(args.rows_per_task, dropout)
+        model, batch, _ = _recsys_setup(args.rows_per_task, spec.get("dropout", 0.5))
     balancer = spec.get("balancer")
     fields = {k: spec[k] for k in ("sparse_tables", "grad_method") if k in spec}
     tr = Trainer(model, optax.adam(1e-3),
