@@ -34,6 +34,7 @@ import optax
 from ktx import partitioning
 from ktx.data.recsys import MultiBehaviorData, RecsysTrainInput
 from ktx.models.recsys import RecsysModel
+from ktx.runs.eval import checkpoint_steps_of
 from ktx.runs.rank_eval import RankingEvaluator
 from ktx.runs.run_dir import RunDir
 from ktx.runs.train import train
@@ -193,10 +194,8 @@ def run_config(
             stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         # A run directory with checkpoints resumes from the latest (an interrupted study
         # run given the same directory): the time below is this call's epochs only.
-        ckpts = RunDir(model_dir).checkpoints
-        resumed_step = max((int(c.name) for c in ckpts.iterdir()
-                            if c.name.isdigit() and (c / "state").is_dir()),
-                           default=0) if ckpts.is_dir() else 0
+        resumed_step = max(checkpoint_steps_of(model_dir), default=0) \
+            if RunDir(model_dir).checkpoints.is_dir() else 0
         t0 = time.perf_counter()
         state = train(
             model=model, train_input=train_input, model_dir=model_dir,

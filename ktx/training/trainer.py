@@ -393,7 +393,7 @@ def train_step(
                     shared=options.shared, sparse_tables=options.sparse_tables)
                 # zeros only where a cond needs both branches alike: a step compiled
                 # not to log returns none (hundreds of scalar outputs otherwise, each a
-                # buffer the host allocates and, on a GPU, a kernel that writes it)
+                # buffer the step writes and the host allocates, every step)
                 no_diagnostics = (_zeros_like_tree(jax.eval_shape(logged_step)[4])
                                   if static is None else {})
                 return (*out, no_diagnostics)
