@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -40,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import jax
 import optax
@@ -64,8 +66,20 @@ VARIANTS = {
 T5_SIZES = {"tiny": T5_TINY, "small": {}}  # small: T5.1.1-small, T5Config's defaults
 
 
-def build(args, name):
-    """(trainer, state, host batch, counts) of one variant, compiled once."""
+@dataclasses.dataclass
+class Run:
+    """One variant's compiled step and what its timing loop carries."""
+
+    trainer: Any
+    state: Any
+    batch: dict
+    counts: tuple
+    compile_s: float
+    outputs: int  # the step's state and metrics leaves: each a buffer written per step
+
+
+def build(args, name) -> Run:
+    """One variant, compiled once (its first step)."""
     from ktx.training.trainer import Trainer
 
     spec = VARIANTS[name]
@@ -85,17 +99,15 @@ def build(args, name):
     t0 = time.perf_counter()
     state, m = tr.train_step(state, batch, jax.random.key(1), task_counts=counts)
     jax.block_until_ready(m["loss"])
-    # the step's outputs: each a buffer per step (and on a GPU a write of its own)
-    outputs = len(jax.tree.leaves((state, m)))
-    return [tr, state, batch, counts, time.perf_counter() - t0, outputs]
+    return Run(tr, state, batch, counts, time.perf_counter() - t0,
+               len(jax.tree.leaves((state, m))))
 
 
-def _steps(run, n):
-    tr, state, batch, counts = run[:4]
+def _steps(run: Run, n):
     for _ in range(n):
-        state, m = tr.train_step(state, batch, jax.random.key(1), task_counts=counts)
+        run.state, m = run.trainer.train_step(run.state, run.batch, jax.random.key(1),
+                                              task_counts=run.counts)
     jax.block_until_ready(m["loss"])
-    run[1] = state
 
 
 def _group(name):
@@ -126,15 +138,14 @@ def summarize(xplane, steps, top):
             ops, op_ns = collections.Counter(), collections.Counter()
             for line in plane.lines:
                 events = list(line.events)
-                if line.name == "XLA Ops":  # HLO ops, where the backend records them
-                    for e in events:
-                        ops[_group(e.name)] += 1
-                        op_ns[_group(e.name)] += e.duration_ns
-                elif line.name.startswith("Stream"):
-                    for e in events:
-                        kernels.append((e.start_ns, e.end_ns))
-                        names[_group(e.name)] += 1
-                        name_ns[_group(e.name)] += e.duration_ns
+                # HLO ops, where the backend records them; kernels on the streams
+                counted = (ops, op_ns) if line.name == "XLA Ops" else \
+                    (names, name_ns) if line.name.startswith("Stream") else None
+                for e in events if counted else ():
+                    counted[0][_group(e.name)] += 1
+                    counted[1][_group(e.name)] += e.duration_ns
+                if counted and line.name.startswith("Stream"):
+                    kernels.extend((e.start_ns, e.end_ns) for e in events)
                 out["lines"][f"{plane.name}|{line.name}"] = len(events) / steps
             if kernels:
                 span = max(e for _, e in kernels) - min(s for s, _ in kernels)
@@ -197,7 +208,7 @@ def main(argv=None):
     runs = {}
     for name in names:
         runs[name] = build(args, name)
-        print(f"compiled {name}: {runs[name][4]:.1f} s", flush=True)
+        print(f"compiled {name}: {runs[name].compile_s:.1f} s", flush=True)
     times = {name: [] for name in names}
     for r in range(args.repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
@@ -209,13 +220,14 @@ def main(argv=None):
         med = statistics.median(times[name])
         base = "plain_nodrop" if name.endswith("_nodrop") else "plain"
         row = {"median_ms": round(med * 1e3, 3), "min_ms": round(min(times[name]) * 1e3, 3),
-               "outputs": runs[name][5]}
+               "outputs": runs[name].outputs}
         if base in times and name != base:
             row["ratio"] = round(med / statistics.median(times[base]), 3)
         variants[name] = row
         print(json.dumps({name: row}), flush=True)
     profile = {}
-    trace_root = args.trace_dir or tempfile.mkdtemp(prefix="ktx_step_profile_")
+    scratch = tempfile.TemporaryDirectory(prefix="ktx_step_profile_")  # without --trace_dir
+    trace_root = args.trace_dir or scratch.name
     for name in [v for v in args.profile.split(",") if v in runs]:
         _steps(runs[name], 2)
         directory = os.path.join(trace_root, name)
@@ -225,6 +237,7 @@ def main(argv=None):
         profile[name] = summarize(max(files, key=os.path.getmtime), args.profile_steps,
                                   args.top)
         print(json.dumps({"profile": {name: profile[name]}}), flush=True)
+    scratch.cleanup()
     print(json.dumps({
         "benchmark": "step_profile", "model": args.model,
         "t5_size": args.t5_size if args.model == "t5" else None,
