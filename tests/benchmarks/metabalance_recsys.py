@@ -21,6 +21,14 @@ epoch, test metrics at the best epoch, times), named after its experiment, seed 
 hash of its bindings; a run whose record exists is not run again. So a study too long for
 one sitting runs in pieces (`--methods`, `--seeds`, `--strategies` select them), each
 piece commits its records, and the report is rebuilt from the records of the whole set.
+
+`--table` runs nothing and needs no data: it writes every record in `--records`, one
+table per budget (the records' bindings other than seed and relax factor), between the
+`<!-- recsys_records:begin -->` and `end` markers of `--out`: per method the seeds, the
+best and last epoch of each (fewer epochs than the maximum: early stopping fired), the
+validation and test NDCG@10 at the best epoch and the time the runs took.
+
+    python tests/benchmarks/metabalance_recsys.py --table
 """
 
 from __future__ import annotations
@@ -87,22 +95,111 @@ def _fmt(values: list[float]) -> str:
 
 
 BEGIN, END = "<!-- metabalance_recsys:begin -->", "<!-- metabalance_recsys:end -->"
+TABLE_BEGIN, TABLE_END = "<!-- recsys_records:begin -->", "<!-- recsys_records:end -->"
 
 
-def _write_report(path: pathlib.Path, lines: list[str]) -> None:
-    """Writes the generated report between the BEGIN and END markers of `path`, keeping
+def _write_report(path: pathlib.Path, lines: list[str], begin: str = BEGIN, end: str = END) -> None:
+    """Writes the generated report between the `begin` and `end` markers of `path`, keeping
     the hand-written text around them (a new file holds the markers and the report)."""
-    block = "\n".join([BEGIN, *lines, END])
+    block = "\n".join([begin, *lines, end])
     text = path.read_text() if path.is_file() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     elif text:
-        raise SystemExit(f"--out {path}: it has no {BEGIN} ... {END} markers; the report "
+        raise SystemExit(f"--out {path}: it has no {begin} ... {end} markers; the report "
                          "replaces only the text between them (add them, or give a new file)")
     else:
         text = block + "\n"
     path.write_text(text)
+
+
+_BUDGET_NAMES = {
+    "MAX_EPOCHS": "up to {} epochs", "recsys_study.run_config.patience": "patience {}",
+    "STEPS_PER_EPOCH": "{} steps per epoch", "EVAL_MAX_USERS": "validation on {} users",
+    "TEST_MAX_USERS": "test on {} users", "NUM_NEGATIVES": "{} negatives per positive",
+}
+_LABELS = {**NAMES, **{v: f"MetaBalance ({k})" for k, v in STRATEGY_FILES.items()}}
+
+
+def _budget_text(budget: dict) -> str:
+    """One line naming a group's budget (its bindings other than seed and relax factor)."""
+    parts = []
+    for name, value in budget.items():
+        if name in _BUDGET_NAMES and value is not None:
+            parts.append(_BUDGET_NAMES[name].format(value))
+        elif name == "STEPS_PER_EPOCH":
+            parts.append("full epochs")
+        elif name in ("EVAL_MAX_USERS", "TEST_MAX_USERS"):
+            parts.append(("validation" if name.startswith("EVAL") else "test") + " on all users")
+        else:
+            parts.append(f"`{name} = {value!r}`")
+    return ", ".join(parts)
+
+
+def records_table(records: pathlib.Path) -> list[str]:
+    """The lines of one table per budget over every record in `records` (see `--table`)."""
+    paths = sorted(records.glob("*.json"))
+    if not paths:
+        raise SystemExit(f"--records {records}: no records (*.json) there")
+    groups: dict[str, dict[tuple, list[dict]]] = {}
+    budgets: dict[str, dict] = {}
+    for path in paths:
+        try:
+            record = json.loads(path.read_text())
+            bindings = dict(record["bindings"])
+            result = record["result"]
+            result["test"]["ndcg@10"], result["validation"]["ndcg@10"]  # noqa: B018
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"{path}: not a study record ({type(e).__name__}: {e})") from None
+        seed = bindings.pop("SEED")
+        relax = bindings.pop("RELAX_FACTOR", None)
+        key = json.dumps(bindings, sort_keys=True)
+        budgets[key] = bindings
+        row = (record["experiment"], relax)
+        groups.setdefault(key, {}).setdefault(row, []).append({**record, "seed": seed})
+
+    def order(row):  # Single-Loss first, MetaBalance last, as in the report
+        name = row[0]
+        return (name != "single_loss", name.startswith("metabalance"), name, row[1] or 0)
+
+    lines = []
+    for key in sorted(groups, key=lambda k: (-(budgets[k].get("MAX_EPOCHS") or 0), k)):
+        budget = budgets[key]
+        max_epochs = budget.get("MAX_EPOCHS")
+        lines += ["", f"**{_budget_text(budget)}**", "",
+                  "| method | seeds | epochs, best / run per seed | validation N@10 | test N@10 "
+                  "| test R@10 | train s / epoch | wall h |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in sorted(groups[key], key=order):
+            rs = sorted(groups[key][row], key=lambda r: r["seed"])
+            name, relax = row
+            label = _LABELS.get(name, name)
+            if relax is not None:
+                label = label[:-1] + f", r={relax})" if label.endswith(")") else f"{label} (r={relax})"
+            epochs = []
+            for r in rs:
+                res = r["result"]
+                mark = " es" if max_epochs and res["epochs"] < max_epochs else ""
+                mark += " †" if res.get("resumed_from_epoch") else ""
+                epochs.append(f"{res['best_epoch']}/{res['epochs']}{mark}")
+            per_epoch = [r["result"]["train_seconds_per_epoch"] for r in rs
+                         if r["result"].get("train_seconds_per_epoch")]
+            lines.append(
+                f"| {label} | {','.join(str(r['seed']) for r in rs)} | {', '.join(epochs)} "
+                f"| {_fmt([r['result']['validation']['ndcg@10'] for r in rs])} "
+                f"| {_fmt([r['result']['test']['ndcg@10'] for r in rs])} "
+                f"| {_fmt([r['result']['test']['recall@10'] for r in rs])} "
+                f"| {f'{np.mean(per_epoch):.1f}' if per_epoch else '-'} "
+                f"| {sum(r['wall_seconds'] for r in rs) / 3600:.2f} |")
+    return [
+        f"Every run record in `{_shown(records)}`, one table per budget (written by "
+        "`tests/benchmarks/metabalance_recsys.py --table`). Test metrics at the best validation "
+        "epoch; mean ± standard deviation (population) where a row has several seeds. `es`: "
+        "early stopping fired (fewer epochs than the budget's maximum); `†`: the run was "
+        "resumed from a checkpoint, and its wall time counts only its last piece.",
+        *lines,
+    ]
 
 
 def main() -> None:
@@ -135,8 +232,17 @@ def main() -> None:
     ap.add_argument("--png", default=str(REPO / "docs" / "results_recsys_relax.png"))
     # Extra gin bindings for every run, as `ktx train` takes them (a Python literal value;
     # part of each record's key): --gin.NUM_NEGATIVES=4
+    ap.add_argument("--table", action="store_true",
+                    help="run nothing: write every record's budget table to --out (no data needed)")
     rest, extra_bindings = cli._split_gin_flags(sys.argv[1:])
     args = ap.parse_args(rest)
+    if args.table:
+        if extra_bindings:
+            raise SystemExit("--table runs nothing: it takes no --gin. bindings")
+        lines = records_table(pathlib.Path(args.records))
+        _write_report(pathlib.Path(args.out), lines, TABLE_BEGIN, TABLE_END)
+        print("\n".join(lines))
+        return
     seeds = [int(s) for s in args.seeds.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
     strategies = [s for s in args.strategies.split(",") if s]
