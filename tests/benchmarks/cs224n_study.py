@@ -2,7 +2,8 @@
 (method, seed) trains with `ktx train`, is scored by `cs224n_scores.py`, and leaves a small
 record (config flags, seed, steps, wall time, train loss every log period, dev scores) in
 `docs/results/cs224n/<method>-seed<k>.json`; finished records are skipped, and `--table`
-rebuilds the markdown table of docs/results.md from the records alone.
+rebuilds the markdown table from the records alone (written between the
+`<!-- cs224n_study:begin -->` and `end` markers of docs/results.md, as after every run).
 
     DIR=$(python -m ktx.convert.minilm)
     KTX_DATA_DIR=... python tests/benchmarks/cs224n_study.py --minilm "$DIR" \
@@ -26,6 +27,8 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 RECORDS = REPO / "docs" / "results" / "cs224n"
+RESULTS = REPO / "docs" / "results.md"
+BEGIN, END = "<!-- cs224n_study:begin -->", "<!-- cs224n_study:end -->"
 PROXY = "{'cs224n_sts_bert_v001': 'cs224n_quora_bert_v001'}"
 
 
@@ -145,6 +148,18 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def write_table(path: pathlib.Path = RESULTS) -> str:
+    """The table, also written between the study's markers in `path` (the text around
+    them is kept)."""
+    text = table()
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers to write the table between")
+    head, rest = doc.split(BEGIN, 1)
+    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    return text
+
+
 def main(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--minilm", help="the unpacked all-MiniLM-L6-v2 folder (python -m ktx.convert.minilm)")
@@ -159,7 +174,7 @@ def main(argv):
                              "(trained with the flags this script would give; wall time unknown)")
     args = parser.parse_args(argv)
     if args.table:
-        print(table())
+        print(write_table())
         return
     if not args.minilm:
         parser.error("--minilm DIR is required to train (python -m ktx.convert.minilm prints it)")
@@ -169,7 +184,7 @@ def main(argv):
     for seed in (int(s) for s in args.seeds.split(",")):
         for method in args.methods.split(","):
             run(method, seed, args)
-    print(table())
+    print(write_table())
 
 
 if __name__ == "__main__":
