@@ -148,8 +148,8 @@ def records_table(records: pathlib.Path) -> list[str]:
         try:
             record = json.loads(path.read_text())
             bindings = dict(record["bindings"])
-            result = record["result"]
-            result["test"]["ndcg@10"], result["validation"]["ndcg@10"]  # noqa: B018
+            for split, metric in (("validation", "ndcg@10"), ("test", "ndcg@10"), ("test", "recall@10")):
+                float(record["result"][split][metric])
         except (ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"{path}: not a study record ({type(e).__name__}: {e})") from None
         seed = bindings.pop("SEED")
@@ -230,10 +230,10 @@ def main() -> None:
                          "temporary directories, removed after each run")
     ap.add_argument("--out", default=str(REPO / "docs" / "results_recsys.md"))
     ap.add_argument("--png", default=str(REPO / "docs" / "results_recsys_relax.png"))
-    # Extra gin bindings for every run, as `ktx train` takes them (a Python literal value;
-    # part of each record's key): --gin.NUM_NEGATIVES=4
     ap.add_argument("--table", action="store_true",
                     help="run nothing: write every record's budget table to --out (no data needed)")
+    # Extra gin bindings for every run, as `ktx train` takes them (a Python literal value;
+    # part of each record's key): --gin.NUM_NEGATIVES=4
     rest, extra_bindings = cli._split_gin_flags(sys.argv[1:])
     args = ap.parse_args(rest)
     if args.table:
