@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from report_markers import write_between  # beside this script
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 RECORDS = REPO / "docs" / "results" / "cs224n"
 RESULTS = REPO / "docs" / "results.md"
@@ -152,11 +154,7 @@ def write_table(path: pathlib.Path = RESULTS) -> str:
     """The table, also written between the study's markers in `path` (the text around
     them is kept)."""
     text = table()
-    doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} markers to write the table between")
-    head, rest = doc.split(BEGIN, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    write_between(path, BEGIN, END, [text])
     return text
 
 

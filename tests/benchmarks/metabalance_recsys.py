@@ -49,6 +49,7 @@ from ktx.studies import recsys as recsys_study
 from ktx.data import recsys as recsys_data
 from ktx.models.recsys import PopularityScorer
 from ktx.runs.rank_eval import RankingEvaluator
+from report_markers import write_between  # beside this script
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENTS = REPO / "gin" / "experiments" / "recsys"
@@ -96,22 +97,6 @@ def _fmt(values: list[float]) -> str:
 
 BEGIN, END = "<!-- metabalance_recsys:begin -->", "<!-- metabalance_recsys:end -->"
 TABLE_BEGIN, TABLE_END = "<!-- recsys_records:begin -->", "<!-- recsys_records:end -->"
-
-
-def _write_report(path: pathlib.Path, lines: list[str], begin: str = BEGIN, end: str = END) -> None:
-    """Writes the generated report between the `begin` and `end` markers of `path`, keeping
-    the hand-written text around them (a new file holds the markers and the report)."""
-    block = "\n".join([begin, *lines, end])
-    text = path.read_text() if path.is_file() else ""
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    elif text:
-        raise SystemExit(f"--out {path}: it has no {begin} ... {end} markers; the report "
-                         "replaces only the text between them (add them, or give a new file)")
-    else:
-        text = block + "\n"
-    path.write_text(text)
 
 
 _BUDGET_NAMES = {
@@ -240,7 +225,7 @@ def main() -> None:
         if extra_bindings:
             raise SystemExit("--table runs nothing: it takes no --gin. bindings")
         lines = records_table(pathlib.Path(args.records))
-        _write_report(pathlib.Path(args.out), lines, TABLE_BEGIN, TABLE_END)
+        write_between(pathlib.Path(args.out), TABLE_BEGIN, TABLE_END, lines)
         print("\n".join(lines))
         return
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -379,7 +364,7 @@ def main() -> None:
         lines += ["", "Extra bindings of every run: " + ", ".join(
             f"`{name} = {value}`" for name, value in extra_bindings)]
     lines += ["", f"![relax factor curve]({pathlib.Path(args.png).name})"]
-    _write_report(pathlib.Path(args.out), lines)
+    write_between(pathlib.Path(args.out), BEGIN, END, lines)
 
     import matplotlib
 
