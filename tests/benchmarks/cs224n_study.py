@@ -10,9 +10,12 @@ rebuilds the markdown table from the records alone (written between the
         --methods plain,ca_mtl,pals,mt_uncertainty --seeds 0 --steps 600
     python tests/benchmarks/cs224n_study.py --table
 
-Every method shares the reduced budget the flags give (steps of BATCH_SIZE rows, length
-MAX_SEQ_LENGTH, mean pooling: all-MiniLM-L6-v2 was trained with it), AdamW with linear
-decay (runs/encoder_train.gin), and differs only by its gin files in `METHODS`.
+Every method shares the reduced budget the flags give (`--steps` of BATCH_SIZE rows,
+`--length` tokens, mean pooling: all-MiniLM-L6-v2 was trained with it), AdamW with linear
+decay to `--peak_lr` (runs/encoder_train.gin), and differs only by its gin files in
+`METHODS`. The default budget (600 steps, 64 tokens, 5e-5) names a record
+`<method>-seed<k>.json`; any other budget adds itself to the name
+(`slapbert-steps1800-lr0.0002-seed0.json`), so a record is never taken for another budget's.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ RECORDS = REPO / "docs" / "results" / "cs224n"
 RESULTS = REPO / "docs" / "results.md"
 BEGIN, END = "<!-- cs224n_study:begin -->", "<!-- cs224n_study:end -->"
 PROXY = "{'cs224n_sts_bert_v001': 'cs224n_quora_bert_v001'}"
+DEFAULT_BUDGET = {"steps": 600, "max_seq_length": 64, "peak_learning_rate": 5e-5}
 
 
 def _anneal_within(steps: int) -> list[str]:
@@ -71,23 +75,38 @@ METHODS = {
 }
 
 
-def _flags(method: str, minilm: str, seed: int, steps: int, length: int, model_dir: str) -> list[str]:
+def _budget(record: dict) -> dict:
+    """A record's budget; records written before the learning rate was a flag ran at the
+    default one (runs/encoder_train.gin)."""
+    return {k: record.get(k, DEFAULT_BUDGET[k]) for k in DEFAULT_BUDGET}
+
+
+def record_name(method: str, seed: int, budget: dict) -> str:
+    tags = {"steps": "steps", "max_seq_length": "len", "peak_learning_rate": "lr"}
+    parts = [f"{tags[k]}{budget[k]:g}" for k in DEFAULT_BUDGET if budget[k] != DEFAULT_BUDGET[k]]
+    return "-".join([method, *parts, f"seed{seed}"]) + ".json"
+
+
+def _flags(method: str, minilm: str, seed: int, steps: int, length: int, peak_lr: float,
+           model_dir: str) -> list[str]:
     _, files, extra = METHODS[method]
     extra = extra(steps) if callable(extra) else extra
     return (["--gin_file=experiments/cs224n_encoders/minilm_l6.gin",
              *[f"--gin_file={f}" for f in files], "--gin_file=conditioning/mean_pooling.gin",
              f"--gin.MODEL_DIR='{model_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='hf:{minilm}'",
              f"--gin.ENCODER_VOCAB='{minilm}'", f"--gin.TRAIN_STEPS={steps}",
-             f"--gin.MAX_SEQ_LENGTH={length}", f"--gin.SEED={seed}"] + extra)
+             f"--gin.MAX_SEQ_LENGTH={length}", f"--gin.SEED={seed}",
+             f"--gin.optimizers.linear_decay_schedule.peak_learning_rate={peak_lr:g}"] + extra)
 
 
 def run(method: str, seed: int, args) -> dict:
-    out = RECORDS / f"{method}-seed{seed}.json"
+    budget = {"steps": args.steps, "max_seq_length": args.length, "peak_learning_rate": args.peak_lr}
+    out = RECORDS / record_name(method, seed, budget)
     if out.exists():
         print(f"{out.name}: cached", flush=True)
         return json.loads(out.read_text())
     model_dir = args.adopt or tempfile.mkdtemp(prefix=f"cs224n_{method}_{seed}_", dir=args.work_dir)
-    flags = _flags(method, args.minilm, seed, args.steps, args.length, model_dir)
+    flags = _flags(method, args.minilm, seed, args.steps, args.length, args.peak_lr, model_dir)
     start = time.time()
     if not args.adopt:  # else: a finished run of exactly these flags, trained earlier
         subprocess.run([sys.executable, "-m", "ktx", "train", *flags], check=True, cwd=REPO)
@@ -99,7 +118,7 @@ def run(method: str, seed: int, args) -> dict:
               for r in map(json.loads, (pathlib.Path(model_dir) / "metrics.jsonl").read_text().splitlines())
               if r.get("split") == "train" and r.get("task") == "all"]
     record = {"method": method, "description": METHODS[method][0], "seed": seed,
-              "steps": args.steps, "max_seq_length": args.length,
+              **budget,
               "flags": [f for f in flags if "MODEL_DIR" not in f and "'hf:" not in f
                         and "ENCODER_VOCAB" not in f],
               "train_seconds": None if seconds is None else round(seconds, 1), "train_loss": losses,
@@ -129,24 +148,26 @@ def _per_seed(records: list[dict]) -> str:
 
 def table() -> str:
     records = [json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json"))]
-    lines = ["| method | seeds | steps | SST-5 acc | Quora acc* | STS r | overall | overall per seed "
-             "| train s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | seeds | steps | length | peak lr | SST-5 acc | Quora acc* | STS r | overall "
+             "| overall per seed | train s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method in METHODS:
-        mine = [r for r in records if r["method"] == method]
-        if not mine:
-            continue
+        budgets = sorted({tuple(_budget(r).values()) for r in records if r["method"] == method})
+        for budget in budgets:
+            mine = [r for r in records
+                    if r["method"] == method and tuple(_budget(r).values()) == budget]
 
-        def mean(key):
-            return sum(r["scores"][key] for r in mine) / len(mine)
+            def mean(key, mine=mine):
+                return sum(r["scores"][key] for r in mine) / len(mine)
 
-        lines.append(
-            f"| {mine[0]['description']} | {','.join(str(r['seed']) for r in mine)} | "
-            f"{mine[0]['steps']} | {mean('sst_accuracy'):.3f} | {mean('quora_accuracy'):.3f} | "
-            f"{mean('sts_pearson'):.3f} | **{mean('overall'):.3f}** | "
-            f"{_per_seed(mine)} | "
-            f"{_seconds(mine)} |")
-    lines.append("| reference: the SlapBERT seeds' best dev overall (BERT-Base) | | | | | | 0.694 | | |")
+            steps, length, peak_lr = budget
+            lines.append(
+                f"| {mine[0]['description']} | {','.join(str(r['seed']) for r in mine)} | "
+                f"{steps} | {length} | {peak_lr:g} | {mean('sst_accuracy'):.3f} | "
+                f"{mean('quora_accuracy'):.3f} | {mean('sts_pearson'):.3f} | "
+                f"**{mean('overall'):.3f}** | {_per_seed(mine)} | {_seconds(mine)} |")
+    lines.append("| reference: the SlapBERT seeds' best dev overall (BERT-Base) | | | | | | | | 0.694 "
+                 "| | |")
     return "\n".join(lines)
 
 
@@ -163,8 +184,10 @@ def main(argv):
     parser.add_argument("--minilm", help="the unpacked all-MiniLM-L6-v2 folder (python -m ktx.convert.minilm)")
     parser.add_argument("--methods", default="plain")
     parser.add_argument("--seeds", default="0")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=DEFAULT_BUDGET["steps"])
+    parser.add_argument("--length", type=int, default=DEFAULT_BUDGET["max_seq_length"])
+    parser.add_argument("--peak_lr", type=float, default=DEFAULT_BUDGET["peak_learning_rate"],
+                        help="AdamW's peak learning rate (linear warm-up and decay)")
     parser.add_argument("--work_dir", default=None)
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--adopt", default=None,
