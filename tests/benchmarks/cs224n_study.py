@@ -87,16 +87,17 @@ def record_name(method: str, seed: int, budget: dict) -> str:
     return "-".join([method, *parts, f"seed{seed}"]) + ".json"
 
 
-def _flags(method: str, minilm: str, seed: int, steps: int, length: int, peak_lr: float,
-           model_dir: str) -> list[str]:
+def _flags(method: str, minilm: str, seed: int, budget: dict, model_dir: str) -> list[str]:
     _, files, extra = METHODS[method]
+    steps = budget["steps"]
     extra = extra(steps) if callable(extra) else extra
     return (["--gin_file=experiments/cs224n_encoders/minilm_l6.gin",
              *[f"--gin_file={f}" for f in files], "--gin_file=conditioning/mean_pooling.gin",
              f"--gin.MODEL_DIR='{model_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='hf:{minilm}'",
              f"--gin.ENCODER_VOCAB='{minilm}'", f"--gin.TRAIN_STEPS={steps}",
-             f"--gin.MAX_SEQ_LENGTH={length}", f"--gin.SEED={seed}",
-             f"--gin.optimizers.linear_decay_schedule.peak_learning_rate={peak_lr:g}"] + extra)
+             f"--gin.MAX_SEQ_LENGTH={budget['max_seq_length']}", f"--gin.SEED={seed}",
+             "--gin.optimizers.linear_decay_schedule.peak_learning_rate="
+             f"{budget['peak_learning_rate']:g}"] + extra)
 
 
 def run(method: str, seed: int, args) -> dict:
@@ -106,7 +107,7 @@ def run(method: str, seed: int, args) -> dict:
         print(f"{out.name}: cached", flush=True)
         return json.loads(out.read_text())
     model_dir = args.adopt or tempfile.mkdtemp(prefix=f"cs224n_{method}_{seed}_", dir=args.work_dir)
-    flags = _flags(method, args.minilm, seed, args.steps, args.length, args.peak_lr, model_dir)
+    flags = _flags(method, args.minilm, seed, budget, model_dir)
     start = time.time()
     if not args.adopt:  # else: a finished run of exactly these flags, trained earlier
         subprocess.run([sys.executable, "-m", "ktx", "train", *flags], check=True, cwd=REPO)
@@ -151,16 +152,17 @@ def table() -> str:
     lines = ["| method | seeds | steps | length | peak lr | SST-5 acc | Quora acc* | STS r | overall "
              "| overall per seed | train s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[dict]] = {}  # (method, steps, length, peak lr) -> its records
+    for r in records:
+        groups.setdefault((r["method"], *_budget(r).values()), []).append(r)
     for method in METHODS:
-        budgets = sorted({tuple(_budget(r).values()) for r in records if r["method"] == method})
-        for budget in budgets:
-            mine = [r for r in records
-                    if r["method"] == method and tuple(_budget(r).values()) == budget]
+        for key in sorted(k for k in groups if k[0] == method):
+            mine = groups[key]
 
-            def mean(key, mine=mine):
-                return sum(r["scores"][key] for r in mine) / len(mine)
+            def mean(name, mine=mine):
+                return sum(r["scores"][name] for r in mine) / len(mine)
 
-            steps, length, peak_lr = budget
+            _, steps, length, peak_lr = key
             lines.append(
                 f"| {mine[0]['description']} | {','.join(str(r['seed']) for r in mine)} | "
                 f"{steps} | {length} | {peak_lr:g} | {mean('sst_accuracy'):.3f} | "
