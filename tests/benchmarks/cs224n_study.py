@@ -13,7 +13,8 @@ rebuilds the markdown table from the records alone (written between the
 Every method shares the reduced budget the flags give (`--steps` of BATCH_SIZE rows,
 `--length` tokens, mean pooling: all-MiniLM-L6-v2 was trained with it), AdamW with linear
 decay to `--peak_lr` (runs/encoder_train.gin), and differs only by its gin files in
-`METHODS`. The default budget (600 steps, 64 tokens, 5e-5) names a record
+`METHODS`; `single_task` trains one model per task instead, each for `--steps`. The
+default budget (600 steps, 64 tokens, 5e-5) names a record
 `<method>-seed<k>.json`; any other budget adds itself to the name
 (`slapbert-steps1800-lr0.0002-seed0.json`), so a record is never taken for another budget's.
 """
@@ -28,7 +29,8 @@ import sys
 import tempfile
 import time
 
-from report_markers import write_between  # beside this script
+from cs224n_scores import overall  # beside this script
+from report_markers import write_between
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 RECORDS = REPO / "docs" / "results" / "cs224n"
@@ -47,6 +49,7 @@ def _anneal_within(steps: int) -> list[str]:
 # method -> (description, gin files after experiments/cs224n_encoders/minilm_l6.gin, flags or a
 # function of the run's steps giving them)
 METHODS = {
+    "single_task": ("single-task fine-tuning (one model per task, --steps each)", [], []),
     "plain": ("plain multi-task", [], []),
     "ca_mtl": ("CA-MTL Base (bottom half and embeddings frozen)", ["conditioning/ca_mtl.gin"],
                ["--gin.CAMTL_VARIANT='base'"]),
@@ -75,6 +78,12 @@ METHODS = {
 }
 
 
+# Single-task fine-tuning trains one model per task (its own mixture of one, one head), each
+# for the run's --steps of BATCH_SIZE rows: three times a multi-task run's rows and time.
+SINGLE_TASK = "single_task"
+SINGLE_TASKS = {"cs224n_sst5_bert_v001": 5, "cs224n_quora_bert_v001": 2, "cs224n_sts_bert_v001": 1}
+
+
 def _budget(record: dict) -> dict:
     """A record's budget; records written before the learning rate was a flag ran at the
     default one (runs/encoder_train.gin)."""
@@ -100,30 +109,56 @@ def _flags(method: str, minilm: str, seed: int, budget: dict, model_dir: str) ->
              f"{budget['peak_learning_rate']:g}"] + extra)
 
 
-def run(method: str, seed: int, args) -> dict:
-    budget = {"steps": args.steps, "max_seq_length": args.length, "peak_learning_rate": args.peak_lr}
-    out = RECORDS / record_name(method, seed, budget)
-    if out.exists():
-        print(f"{out.name}: cached", flush=True)
-        return json.loads(out.read_text())
-    model_dir = args.adopt or tempfile.mkdtemp(prefix=f"cs224n_{method}_{seed}_", dir=args.work_dir)
-    flags = _flags(method, args.minilm, seed, budget, model_dir)
+def _train_and_score(flags: list[str], model_dir: str, adopt: bool):
+    """Trains one run (unless adopted), scores it; (train seconds or None, scores, train
+    losses every log period)."""
     start = time.time()
-    if not args.adopt:  # else: a finished run of exactly these flags, trained earlier
+    if not adopt:  # else: a finished run of exactly these flags, trained earlier
         subprocess.run([sys.executable, "-m", "ktx", "train", *flags], check=True, cwd=REPO)
-    seconds = None if args.adopt else time.time() - start
+    seconds = None if adopt else round(time.time() - start, 1)
     scored = subprocess.run([sys.executable, str(REPO / "tests/benchmarks/cs224n_scores.py"),
                              *flags], check=True, cwd=REPO, capture_output=True, text=True)
     scores = json.loads(scored.stdout.strip().splitlines()[-1])
     losses = [{"step": r["step"], "loss": r["loss"]}
               for r in map(json.loads, (pathlib.Path(model_dir) / "metrics.jsonl").read_text().splitlines())
               if r.get("split") == "train" and r.get("task") == "all"]
+    return seconds, {k: v for k, v in scores.items() if k not in ("benchmark", "model_dir")}, losses
+
+
+def _recorded(flags: list[str]) -> list[str]:
+    """The flags a record keeps: not the machine's paths."""
+    return [f for f in flags if "MODEL_DIR" not in f and "'hf:" not in f and "ENCODER_VOCAB" not in f]
+
+
+def run(method: str, seed: int, args) -> dict:
+    budget = {"steps": args.steps, "max_seq_length": args.length, "peak_learning_rate": args.peak_lr}
+    out = RECORDS / record_name(method, seed, budget)
+    if out.exists():
+        print(f"{out.name}: cached", flush=True)
+        return json.loads(out.read_text())
+    if method == SINGLE_TASK:
+        if args.adopt:
+            raise SystemExit("--adopt takes one run's MODEL_DIR; single_task trains three")
+        flags, seconds, scores, losses = {}, 0.0, {}, {}
+        for task, labels in SINGLE_TASKS.items():
+            model_dir = tempfile.mkdtemp(prefix=f"cs224n_{method}_{task}_{seed}_", dir=args.work_dir)
+            flags[task] = _flags(method, args.minilm, seed, budget, model_dir) + [
+                f"--gin.MIXTURE_OR_TASK_NAME='{task}'", "--gin.NUM_TASKS=1",
+                f"--gin.NUM_LABELS=({labels},)"]
+            took, scored, losses[task] = _train_and_score(flags[task], model_dir, False)
+            seconds += took
+            step = scored.pop("step")
+            scores.update(scored, step=step)
+        scores["overall"] = overall(scores)
+        flags = {task: _recorded(f) for task, f in flags.items()}
+    else:
+        model_dir = args.adopt or tempfile.mkdtemp(prefix=f"cs224n_{method}_{seed}_", dir=args.work_dir)
+        flags = _flags(method, args.minilm, seed, budget, model_dir)
+        seconds, scores, losses = _train_and_score(flags, model_dir, bool(args.adopt))
+        flags = _recorded(flags)
     record = {"method": method, "description": METHODS[method][0], "seed": seed,
-              **budget,
-              "flags": [f for f in flags if "MODEL_DIR" not in f and "'hf:" not in f
-                        and "ENCODER_VOCAB" not in f],
-              "train_seconds": None if seconds is None else round(seconds, 1), "train_loss": losses,
-              "scores": {k: v for k, v in scores.items() if k not in ("benchmark", "model_dir")}}
+              **budget, "flags": flags, "train_seconds": seconds, "train_loss": losses,
+              "scores": scores}
     RECORDS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({"method": method, "seed": seed, **record["scores"]}), flush=True)
