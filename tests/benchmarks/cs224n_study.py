@@ -147,8 +147,7 @@ def run(method: str, seed: int, args) -> dict:
                 f"--gin.NUM_LABELS=({labels},)"]
             took, scored, losses[task] = _train_and_score(flags[task], model_dir, False)
             seconds += took
-            step = scored.pop("step")
-            scores.update(scored, step=step)
+            scores.update(scored)  # each task's own keys; `step`: the runs' common last step
         scores["overall"] = overall(scores)
         flags = {task: _recorded(f) for task, f in flags.items()}
     else:
