@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from cs224n_scores import overall  # beside this script
+from cs224n_scores import TASKS, overall  # beside this script
 from report_markers import write_between
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ METHODS = {
 # Single-task fine-tuning trains one model per task (its own mixture of one, one head), each
 # for the run's --steps of BATCH_SIZE rows: three times a multi-task run's rows and time.
 SINGLE_TASK = "single_task"
-SINGLE_TASKS = {"cs224n_sst5_bert_v001": 5, "cs224n_quora_bert_v001": 2, "cs224n_sts_bert_v001": 1}
+SINGLE_TASKS = dict(zip(TASKS, (5, 2, 1)))  # task -> its head's labels (minilm_l6.gin's NUM_LABELS)
 
 
 def _budget(record: dict) -> dict:
@@ -137,8 +137,6 @@ def run(method: str, seed: int, args) -> dict:
         print(f"{out.name}: cached", flush=True)
         return json.loads(out.read_text())
     if method == SINGLE_TASK:
-        if args.adopt:
-            raise SystemExit("--adopt takes one run's MODEL_DIR; single_task trains three")
         flags, seconds, scores, losses = {}, 0.0, {}, {}
         for task, labels in SINGLE_TASKS.items():
             model_dir = tempfile.mkdtemp(prefix=f"cs224n_{method}_{task}_{seed}_", dir=args.work_dir)
@@ -238,6 +236,8 @@ def main(argv):
     for method in args.methods.split(","):
         if method not in METHODS:
             parser.error(f"--methods: {method!r}; accepted: {sorted(METHODS)}")
+    if args.adopt and SINGLE_TASK in args.methods.split(","):
+        parser.error("--adopt takes one run's MODEL_DIR; single_task trains three")
     for seed in (int(s) for s in args.seeds.split(",")):
         for method in args.methods.split(","):
             run(method, seed, args)
