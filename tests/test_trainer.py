@@ -257,6 +257,17 @@ def test_train_writes_outputs_and_resumes(tmp_path):
     assert not np.allclose(state4.params["Dense_1"]["kernel"], state6.params["Dense_1"]["kernel"])
 
 
+def test_no_schedule_logs_no_learning_rate(tmp_path):
+    """A bare optax optimizer hides its rate: nothing is logged rather than a made-up 0."""
+    train(model=ToyModel(), train_input=ToyInput(), model_dir=tmp_path, optimizer=optax.adam(1e-2),
+          train_steps=2, log_period=2, checkpoint_period=2)
+    train_rows = [r for r in read_metrics(tmp_path) if r["split"] == "train"]
+    assert train_rows and all("learning_rate" not in r for r in train_rows)
+    assert all(math.isfinite(r["loss"]) for r in train_rows)
+    with pytest.raises(ValueError, match="no schedule"):
+        optimizers.TaskOptimizer(optax.adam(1e-2)).learning_rate(0)
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLossError, match="at step 5 .*Last good checkpoint: step 4"):
         train(

@@ -130,8 +130,9 @@ class TrainMetrics:
         rows = float(np.sum(sums["examples"]))
         steps_per_s, examples_per_s = self.progress.rates(done, int(rows / len(fetched)))
         total = by_task.setdefault("all", {})
-        total.update(objective=float(np.mean([m["loss"] for m in fetched])),
-                     learning_rate=float(fetched[-1]["learning_rate"]))
+        total["objective"] = float(np.mean([m["loss"] for m in fetched]))
+        if "learning_rate" in fetched[-1]:
+            total["learning_rate"] = float(fetched[-1]["learning_rate"])
         for key in ("grad_norm", "update_norm"):
             if key in fetched[-1]:
                 total[key] = float(np.mean([m[key] for m in fetched]))

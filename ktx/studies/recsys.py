@@ -200,6 +200,9 @@ def run_config(
         state = train(
             model=model, train_input=train_input, model_dir=model_dir,
             optimizer=adam_l2(learning_rate, weight_decay) if optimizer is None else optimizer,
+            # The default Adam's rate is constant and known, so it is logged; a given
+            # optimizer's rate is its own and is not.
+            schedule=optax.constant_schedule(learning_rate) if optimizer is None else None,
             balancer=balancer, train_epochs=max_epochs, num_partitions=num_partitions,
             shared=(tuple(shared) if shared is not None else model.shared_param_patterns)
             if balanced else None,

@@ -360,7 +360,9 @@ class TaskOptimizer:
         return gradient, updates, (balancer_state, optimizer_state)
 
     def learning_rate(self, step: jax.Array) -> jax.Array:
-        """The scheduled learning rate at `step` (0 when no schedule was given)."""
+        """The scheduled learning rate at `step`. Without a schedule the rate is inside
+        the optax optimizer, out of reach: an error (the trainer then logs none)."""
         if self.schedule is None:
-            return jnp.zeros((), jnp.float32)
+            raise ValueError("TaskOptimizer.learning_rate: no schedule was given; pass "
+                             "`schedule=` to report the learning rate")
         return jnp.asarray(self.schedule(step), jnp.float32)

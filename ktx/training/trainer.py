@@ -301,7 +301,7 @@ def train_step(
     Returns the new state and metrics: `loss` (scalar, the training objective),
     `task_losses` `[T]` (normalized, summing to `loss`), `aux` (dict of `[T]` sums from
     the model, e.g. `loss`, `accuracy`, `weight`), `examples` `[T]` (rows per task),
-    `learning_rate`, and with `options.norm_metrics` `grad_norm` (of the gradient the
+    `learning_rate` (only when the optimizer has a schedule), and with `options.norm_metrics` `grad_norm` (of the gradient the
     optimizer saw: the balanced one on the balanced path), `update_norm`, `param_norm`.
     `diagnostics` holds `ktx.optim.diagnostics(task_grads, balancer_state,
     target_task=...)` (per-group gradient norms, cosines to the target, MetaBalance
@@ -432,8 +432,11 @@ def train_step(
         "task_losses": task_losses,
         "aux": aux,
         "examples": present,
-        "learning_rate": optimizer.learning_rate(state.step),
     }
+    if optimizer.schedule is not None:
+        # Without a schedule the rate lives inside the optax optimizer, out of reach:
+        # logging none beats logging a made-up one.
+        metrics["learning_rate"] = optimizer.learning_rate(state.step)
     if options.norm_metrics:
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_norm"] = optax.tree.norm(updates)
