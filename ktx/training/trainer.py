@@ -301,8 +301,9 @@ def train_step(
     Returns the new state and metrics: `loss` (scalar, the training objective),
     `task_losses` `[T]` (normalized, summing to `loss`), `aux` (dict of `[T]` sums from
     the model, e.g. `loss`, `accuracy`, `weight`), `examples` `[T]` (rows per task),
-    `learning_rate` (only when the optimizer has a schedule), and with `options.norm_metrics` `grad_norm` (of the gradient the
-    optimizer saw: the balanced one on the balanced path), `update_norm`, `param_norm`.
+    `learning_rate` (only when the optimizer has a schedule), and with
+    `options.norm_metrics` `grad_norm` (of the gradient the optimizer saw: the balanced
+    one on the balanced path), `update_norm`, `param_norm`.
     `diagnostics` holds `ktx.optim.diagnostics(task_grads, balancer_state,
     target_task=...)` (per-group gradient norms, cosines to the target, MetaBalance
     weights) on the balanced path's logged steps; on its other steps zeros in a step
