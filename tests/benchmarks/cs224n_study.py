@@ -233,13 +233,14 @@ def main(argv):
         return
     if not args.minilm:
         parser.error("--minilm DIR is required to train (python -m ktx.convert.minilm prints it)")
-    for method in args.methods.split(","):
+    methods = args.methods.split(",")
+    for method in methods:
         if method not in METHODS:
             parser.error(f"--methods: {method!r}; accepted: {sorted(METHODS)}")
-    if args.adopt and SINGLE_TASK in args.methods.split(","):
+    if args.adopt and SINGLE_TASK in methods:
         parser.error("--adopt takes one run's MODEL_DIR; single_task trains three")
     for seed in (int(s) for s in args.seeds.split(",")):
-        for method in args.methods.split(","):
+        for method in methods:
             run(method, seed, args)
     print(write_table())
 
