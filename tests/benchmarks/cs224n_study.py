@@ -17,6 +17,14 @@ decay to `--peak_lr` (runs/encoder_train.gin), and differs only by its gin files
 default budget (600 steps, 64 tokens, 5e-5) names a record
 `<method>-seed<k>.json`; any other budget adds itself to the name
 (`slapbert-steps1800-lr0.0002-seed0.json`), so a record is never taken for another budget's.
+
+With `--work_dir`, each run trains in `<work_dir>/<record name without .json>` (single-task:
+one sub-folder per task), kept after the run; a run stopped part-way (the end of a sitting, a
+`kill`) continues from its latest checkpoint when the same command is given again with
+`--resume` (`ktx train` resumes exactly; `--checkpoint_period` sets how many steps a stop can
+lose). A resumed run's record keeps the step it resumed from and the wall time of its last
+piece only (`train_seconds` is then unknown: `n/a` in the table). Without `--work_dir` every
+run trains in a fresh temporary folder.
 """
 
 from __future__ import annotations
@@ -109,6 +117,29 @@ def _flags(method: str, minilm: str, seed: int, budget: dict, model_dir: str) ->
              f"{budget['peak_learning_rate']:g}"] + extra)
 
 
+def _latest_step(model_dir: str | pathlib.Path) -> int | None:
+    """The newest checkpoint step under `model_dir` (None: it holds no checkpoint)."""
+    folder = pathlib.Path(model_dir) / "checkpoints"
+    if not folder.is_dir():
+        return None
+    return max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=None)
+
+
+def _model_dir(args, name: str) -> tuple[str, int | None]:
+    """A run's MODEL_DIR and the checkpoint step it resumes from (None: a fresh run):
+    `<--work_dir>/<name>`, kept so `--resume` can continue it, else a temporary folder."""
+    if args.work_dir is None:
+        return tempfile.mkdtemp(prefix=f"cs224n_{name.replace('/', '_')}_"), None
+    path = pathlib.Path(args.work_dir).resolve() / name
+    step = _latest_step(path)
+    if step is not None and not args.resume:
+        raise SystemExit(f"cs224n_study: {path} holds a checkpoint (step {step}) of an earlier "
+                         "run of these flags; pass --resume to continue it, or remove the folder "
+                         "to start over")
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path), step
+
+
 def _train_and_score(flags: list[str], model_dir: str, adopt: bool):
     """Trains one run (unless adopted), scores it; (train seconds or None, scores, train
     losses every log period)."""
@@ -126,8 +157,10 @@ def _train_and_score(flags: list[str], model_dir: str, adopt: bool):
 
 
 def _recorded(flags: list[str]) -> list[str]:
-    """The flags a record keeps: not the machine's paths."""
-    return [f for f in flags if "MODEL_DIR" not in f and "'hf:" not in f and "ENCODER_VOCAB" not in f]
+    """The flags a record keeps: not the machine's paths, not the checkpoint period (it does
+    not change what is trained)."""
+    return [f for f in flags if "MODEL_DIR" not in f and "'hf:" not in f and "ENCODER_VOCAB" not in f
+            and "checkpoint_period" not in f]
 
 
 def run(method: str, seed: int, args) -> dict:
@@ -136,26 +169,39 @@ def run(method: str, seed: int, args) -> dict:
     if out.exists():
         print(f"{out.name}: cached", flush=True)
         return json.loads(out.read_text())
+    stem = out.name.removesuffix(".json")
+    extra = [] if args.checkpoint_period is None else [
+        f"--gin.train_script.train.checkpoint_period={args.checkpoint_period}"]
+    resumed: dict[str, int] = {}  # run (task for single-task) -> step it resumed from
+    piece = 0.0  # wall seconds of this invocation's training
     if method == SINGLE_TASK:
         flags, seconds, scores, losses = {}, 0.0, {}, {}
         for task, labels in SINGLE_TASKS.items():
-            model_dir = tempfile.mkdtemp(prefix=f"cs224n_{method}_{task}_{seed}_", dir=args.work_dir)
-            flags[task] = _flags(method, args.minilm, seed, budget, model_dir) + [
+            model_dir, step = _model_dir(args, f"{stem}/{task}")
+            if step is not None:
+                resumed[task] = step
+            flags[task] = _flags(method, args.minilm, seed, budget, model_dir) + extra + [
                 f"--gin.MIXTURE_OR_TASK_NAME='{task}'", "--gin.NUM_TASKS=1",
                 f"--gin.NUM_LABELS=({labels},)"]
             took, scored, losses[task] = _train_and_score(flags[task], model_dir, False)
             seconds += took
+            piece += took
             scores.update(scored)  # each task's own keys; `step`: the runs' common last step
         scores["overall"] = overall(scores)
         flags = {task: _recorded(f) for task, f in flags.items()}
     else:
-        model_dir = args.adopt or tempfile.mkdtemp(prefix=f"cs224n_{method}_{seed}_", dir=args.work_dir)
-        flags = _flags(method, args.minilm, seed, budget, model_dir)
+        model_dir, step = (args.adopt, None) if args.adopt else _model_dir(args, stem)
+        if step is not None:
+            resumed[method] = step
+        flags = _flags(method, args.minilm, seed, budget, model_dir) + extra
         seconds, scores, losses = _train_and_score(flags, model_dir, bool(args.adopt))
+        piece = seconds
         flags = _recorded(flags)
     record = {"method": method, "description": METHODS[method][0], "seed": seed,
               **budget, "flags": flags, "train_seconds": seconds, "train_loss": losses,
               "scores": scores}
+    if resumed:  # the earlier pieces' wall time is not known: only this one's is
+        record.update(train_seconds=None, resumed_from_step=resumed, last_piece_seconds=piece)
     RECORDS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({"method": method, "seed": seed, **record["scores"]}), flush=True)
@@ -222,7 +268,15 @@ def main(argv):
     parser.add_argument("--length", type=int, default=DEFAULT_BUDGET["max_seq_length"])
     parser.add_argument("--peak_lr", type=float, default=DEFAULT_BUDGET["peak_learning_rate"],
                         help="AdamW's peak learning rate (linear warm-up and decay)")
-    parser.add_argument("--work_dir", default=None)
+    parser.add_argument("--work_dir", default=None,
+                        help="train each run in <work_dir>/<record name> and keep it (else a "
+                             "temporary folder); see --resume")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue runs stopped part-way in --work_dir from their latest "
+                             "checkpoint (without it, a folder holding a checkpoint is an error)")
+    parser.add_argument("--checkpoint_period", type=int, default=None,
+                        help="steps between checkpoints (the most a stopped run can lose; "
+                             "default: gin/runs/train.gin's)")
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--adopt", default=None,
                         help="record an already trained MODEL_DIR of one --methods/--seeds run "
@@ -239,6 +293,10 @@ def main(argv):
             parser.error(f"--methods: {method!r}; accepted: {sorted(METHODS)}")
     if args.adopt and SINGLE_TASK in methods:
         parser.error("--adopt takes one run's MODEL_DIR; single_task trains three")
+    if args.resume and not args.work_dir:
+        parser.error("--resume continues runs kept in --work_dir: pass --work_dir too")
+    if args.checkpoint_period is not None and args.checkpoint_period < 1:
+        parser.error(f"--checkpoint_period={args.checkpoint_period}: accepted: an int >= 1")
     for seed in (int(s) for s in args.seeds.split(",")):
         for method in methods:
             run(method, seed, args)
