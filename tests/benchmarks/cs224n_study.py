@@ -117,12 +117,13 @@ def _flags(method: str, minilm: str, seed: int, budget: dict, model_dir: str) ->
              f"{budget['peak_learning_rate']:g}"] + extra)
 
 
-def _latest_step(model_dir: str | pathlib.Path) -> int | None:
-    """The newest checkpoint step under `model_dir` (None: it holds no checkpoint)."""
-    folder = pathlib.Path(model_dir) / "checkpoints"
-    if not folder.is_dir():
+def _latest_step(model_dir: pathlib.Path) -> int | None:
+    """The newest complete checkpoint step under `model_dir` (None: it holds none)."""
+    from ktx.training.checkpoints import resolve_checkpoint  # jax and orbax: training only
+    try:
+        return int(resolve_checkpoint(model_dir).name)
+    except FileNotFoundError:
         return None
-    return max((int(p.name) for p in folder.iterdir() if p.name.isdigit()), default=None)
 
 
 def _model_dir(args, name: str) -> tuple[str, int | None]:
@@ -173,7 +174,6 @@ def run(method: str, seed: int, args) -> dict:
     extra = [] if args.checkpoint_period is None else [
         f"--gin.train_script.train.checkpoint_period={args.checkpoint_period}"]
     resumed: dict[str, int] = {}  # run (task for single-task) -> step it resumed from
-    piece = 0.0  # wall seconds of this invocation's training
     if method == SINGLE_TASK:
         flags, seconds, scores, losses = {}, 0.0, {}, {}
         for task, labels in SINGLE_TASKS.items():
@@ -185,7 +185,6 @@ def run(method: str, seed: int, args) -> dict:
                 f"--gin.NUM_LABELS=({labels},)"]
             took, scored, losses[task] = _train_and_score(flags[task], model_dir, False)
             seconds += took
-            piece += took
             scores.update(scored)  # each task's own keys; `step`: the runs' common last step
         scores["overall"] = overall(scores)
         flags = {task: _recorded(f) for task, f in flags.items()}
@@ -195,13 +194,12 @@ def run(method: str, seed: int, args) -> dict:
             resumed[method] = step
         flags = _flags(method, args.minilm, seed, budget, model_dir) + extra
         seconds, scores, losses = _train_and_score(flags, model_dir, bool(args.adopt))
-        piece = seconds
         flags = _recorded(flags)
     record = {"method": method, "description": METHODS[method][0], "seed": seed,
               **budget, "flags": flags, "train_seconds": seconds, "train_loss": losses,
               "scores": scores}
-    if resumed:  # the earlier pieces' wall time is not known: only this one's is
-        record.update(train_seconds=None, resumed_from_step=resumed, last_piece_seconds=piece)
+    if resumed:  # `seconds` timed this invocation only: the earlier pieces' time is unknown
+        record.update(train_seconds=None, resumed_from_step=resumed, last_piece_seconds=seconds)
     RECORDS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({"method": method, "seed": seed, **record["scores"]}), flush=True)
