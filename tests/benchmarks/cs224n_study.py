@@ -83,6 +83,12 @@ METHODS = {
     "slapbert_annealed": ("shared top layer + PCGrad + annealed sampling (E = 10 of steps / 10)",
                           ["conditioning/shared_layer.gin", "optim/pcgrad.gin",
                            "runs/annealed_sampling.gin"], _anneal_within),
+    "ca_mtl_annealed": ("CA-MTL Base + annealed sampling (E = 10 of steps / 10)",
+                        ["conditioning/ca_mtl.gin", "runs/annealed_sampling.gin"],
+                        lambda steps: ["--gin.CAMTL_VARIANT='base'", *_anneal_within(steps)]),
+    "pals_annealed": ("PALs (d_s = 102) + annealed sampling (E = 10 of steps / 10)",
+                      ["conditioning/pals.gin", "runs/annealed_sampling.gin"],
+                      lambda steps: ["--gin.PALS_SIZE=102", *_anneal_within(steps)]),
 }
 
 
