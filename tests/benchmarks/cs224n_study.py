@@ -78,18 +78,24 @@ METHODS = {
                    ["experiments/cs224n_encoders/cosine_sts.gin"], []),
     "slapbert": ("shared top layer + PCGrad (mixed batches)",
                  ["conditioning/shared_layer.gin", "optim/pcgrad.gin"], []),
-    "annealed": ("plain + annealed sampling (E = 10 epochs of steps / 10)",
-                 ["runs/annealed_sampling.gin"], _anneal_within),
-    "slapbert_annealed": ("shared top layer + PCGrad + annealed sampling (E = 10 of steps / 10)",
-                          ["conditioning/shared_layer.gin", "optim/pcgrad.gin",
-                           "runs/annealed_sampling.gin"], _anneal_within),
-    "ca_mtl_annealed": ("CA-MTL Base + annealed sampling (E = 10 of steps / 10)",
-                        ["conditioning/ca_mtl.gin", "runs/annealed_sampling.gin"],
-                        lambda steps: ["--gin.CAMTL_VARIANT='base'", *_anneal_within(steps)]),
-    "pals_annealed": ("PALs (d_s = 102) + annealed sampling (E = 10 of steps / 10)",
-                      ["conditioning/pals.gin", "runs/annealed_sampling.gin"],
-                      lambda steps: ["--gin.PALS_SIZE=102", *_anneal_within(steps)]),
 }
+
+
+def _annealed(base: str, description: str) -> tuple:
+    """`base`'s gin files and flags plus the annealed schedule fitted into the run's steps."""
+    _, files, flags = METHODS[base]
+    return (description, [*files, "runs/annealed_sampling.gin"],
+            lambda steps: [*flags, *_anneal_within(steps)])
+
+
+METHODS.update(
+    annealed=_annealed("plain", "plain + annealed sampling (E = 10 epochs of steps / 10)"),
+    slapbert_annealed=_annealed(
+        "slapbert", "shared top layer + PCGrad + annealed sampling (E = 10 of steps / 10)"),
+    ca_mtl_annealed=_annealed("ca_mtl", "CA-MTL Base + annealed sampling (E = 10 of steps / 10)"),
+    pals_annealed=_annealed(
+        "pals", "PALs (d_s = 102) + annealed sampling (E = 10 of steps / 10)"),
+)
 
 
 # Single-task fine-tuning trains one model per task (its own mixture of one, one head), each
