@@ -70,10 +70,6 @@ METHODS = {
                       ["conditioning/tea_projected.gin"], []),
     "tea_projected_act": ("TEA-BERT, projected task Q/K/V with an activation",
                           ["conditioning/tea_projected_act.gin"], []),
-    "mt_uncertainty": ("plain + MT-uncertainty sampling (96 candidates, 32 kept)",
-                       ["runs/mt_uncertainty.gin"],
-                       ["--gin.BATCH_SIZE=96", "--gin.MT_UNCERTAINTY_ROWS=32",
-                        f"--gin.MT_UNCERTAINTY_PROXIES={PROXY}"]),
     "cosine_sts": ("plain multi-task, STS on a cosine head (sentences encoded alone)",
                    ["experiments/cs224n_encoders/cosine_sts.gin"], []),
     "slapbert": ("shared top layer + PCGrad (mixed batches)",
@@ -88,6 +84,22 @@ def _annealed(base: str, description: str) -> tuple:
             lambda steps: [*flags, *_anneal_within(steps)])
 
 
+def _uncertain(base: str, description: str) -> tuple:
+    """`base`'s gin files and flags plus MT-uncertainty sampling (CA-MTL Algorithm 1): 96
+    candidate rows per batch, 32 from each task, of which the step keeps the 32 least
+    certain; STS borrows the Quora rows' scores (it has no entropy)."""
+    _, files, flags = METHODS[base]
+    return (description, [*files, "runs/mt_uncertainty.gin"],
+            [*flags, "--gin.BATCH_SIZE=96", "--gin.MT_UNCERTAINTY_ROWS=32",
+             f"--gin.MT_UNCERTAINTY_PROXIES={PROXY}"])
+
+
+METHODS.update(
+    mt_uncertainty=_uncertain("plain", "plain + MT-uncertainty sampling (96 candidates, 32 kept)"),
+    # CA-MTL as its paper trains it: its model with its own sampler.
+    ca_mtl_uncertainty=_uncertain(
+        "ca_mtl", "CA-MTL Base + MT-uncertainty sampling (96 candidates, 32 kept)"),
+)
 METHODS.update(
     annealed=_annealed("plain", "plain + annealed sampling (E = 10 epochs of steps / 10)"),
     slapbert_annealed=_annealed(
