@@ -99,8 +99,6 @@ METHODS.update(
     # CA-MTL as its paper trains it: its model with its own sampler.
     ca_mtl_uncertainty=_uncertain(
         "ca_mtl", "CA-MTL Base + MT-uncertainty sampling (96 candidates, 32 kept)"),
-)
-METHODS.update(
     annealed=_annealed("plain", "plain + annealed sampling (E = 10 epochs of steps / 10)"),
     slapbert_annealed=_annealed(
         "slapbert", "shared top layer + PCGrad + annealed sampling (E = 10 of steps / 10)"),
