@@ -156,7 +156,7 @@ def _model_dir(args, name: str) -> tuple[str, int | None]:
     path = pathlib.Path(args.work_dir).resolve() / name
     step = _latest_step(path)
     if step is not None and not args.resume:
-        raise SystemExit(f"cs224n_study: {path} holds a checkpoint (step {step}) of an earlier "
+        raise SystemExit(f"{pathlib.Path(sys.argv[0]).stem}: {path} holds a checkpoint (step {step}) of an earlier "
                          "run of these flags; pass --resume to continue it, or remove the folder "
                          "to start over")
     path.mkdir(parents=True, exist_ok=True)
@@ -233,15 +233,15 @@ def _seconds(records) -> str:
     return f"{sum(known) / len(known):.0f}" if known else "n/a"
 
 
-def _per_seed(records: list[dict]) -> str:
+def _per_seed(records: list[dict], digits: int = 3) -> str:
     """Each seed's overall, in seed order, with the sample standard deviation when there
     are several."""
     values = [r["scores"]["overall"] for r in sorted(records, key=lambda r: r["seed"])]
-    text = " / ".join(f"{v:.3f}" for v in values)
+    text = " / ".join(f"{v:.{digits}f}" for v in values)
     if len(values) > 1:
         mean = sum(values) / len(values)
         sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-        text += f" (sd {sd:.4f})"
+        text += f" (sd {sd:.{digits + 1}f})"
     return text
 
 
