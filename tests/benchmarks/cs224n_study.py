@@ -279,10 +279,10 @@ def write_table(path: pathlib.Path = RESULTS) -> str:
     return text
 
 
-def main(argv):
-    parser = argparse.ArgumentParser()
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every run of a study from all-MiniLM-L6-v2 takes (this one's and
+    glue_study.py's): the checkpoint, seeds, budget, work folder and resuming, `--table`."""
     parser.add_argument("--minilm", help="the unpacked all-MiniLM-L6-v2 folder (python -m ktx.convert.minilm)")
-    parser.add_argument("--methods", default="plain")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=DEFAULT_BUDGET["steps"])
     parser.add_argument("--length", type=int, default=DEFAULT_BUDGET["max_seq_length"])
@@ -297,7 +297,28 @@ def main(argv):
     parser.add_argument("--checkpoint_period", type=int, default=None,
                         help="steps between checkpoints (the most a stopped run can lose; "
                              "default: gin/runs/train.gin's)")
-    parser.add_argument("--table", action="store_true")
+    parser.add_argument("--table", action="store_true",
+                        help="only rebuild the table from the records")
+
+
+def check_run_arguments(parser: argparse.ArgumentParser, args, methods: list[str], accepted) -> None:
+    """`parser.error` for a training invocation's bad flags (`add_run_arguments`'s and a
+    method outside `accepted`)."""
+    if not args.minilm:
+        parser.error("--minilm DIR is required to train (python -m ktx.convert.minilm prints it)")
+    for method in methods:
+        if method not in accepted:
+            parser.error(f"--methods: {method!r}; accepted: {sorted(accepted)}")
+    if args.resume and not args.work_dir:
+        parser.error("--resume continues runs kept in --work_dir: pass --work_dir too")
+    if args.checkpoint_period is not None and args.checkpoint_period < 1:
+        parser.error(f"--checkpoint_period={args.checkpoint_period}: accepted: an int >= 1")
+
+
+def main(argv):
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    parser.add_argument("--methods", default="plain")
     parser.add_argument("--adopt", default=None,
                         help="record an already trained MODEL_DIR of one --methods/--seeds run "
                              "(trained with the flags this script would give; wall time unknown)")
@@ -305,18 +326,10 @@ def main(argv):
     if args.table:
         print(write_table())
         return
-    if not args.minilm:
-        parser.error("--minilm DIR is required to train (python -m ktx.convert.minilm prints it)")
     methods = args.methods.split(",")
-    for method in methods:
-        if method not in METHODS:
-            parser.error(f"--methods: {method!r}; accepted: {sorted(METHODS)}")
+    check_run_arguments(parser, args, methods, METHODS)
     if args.adopt and SINGLE_TASK in methods:
         parser.error("--adopt takes one run's MODEL_DIR; single_task trains three")
-    if args.resume and not args.work_dir:
-        parser.error("--resume continues runs kept in --work_dir: pass --work_dir too")
-    if args.checkpoint_period is not None and args.checkpoint_period < 1:
-        parser.error(f"--checkpoint_period={args.checkpoint_period}: accepted: an int >= 1")
     for seed in (int(s) for s in args.seeds.split(",")):
         for method in methods:
             run(method, seed, args)

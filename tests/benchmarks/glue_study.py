@@ -33,7 +33,8 @@ import sys
 import time
 
 from cs224n_study import (  # beside this script
-    DEFAULT_BUDGET, METHODS, _model_dir, _per_seed, _recorded, _seconds, record_name)
+    DEFAULT_BUDGET, METHODS, _model_dir, _per_seed, _recorded, _seconds, add_run_arguments,
+    check_run_arguments, record_name)
 from report_markers import write_between
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -156,38 +157,18 @@ def write_table(path: pathlib.Path = RESULTS) -> str:
 
 def main(argv):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--minilm", help="the unpacked all-MiniLM-L6-v2 folder (python -m ktx.convert.minilm)")
+    add_run_arguments(parser)
     parser.add_argument("--methods", default=",".join(GLUE_METHODS))
     parser.add_argument("--mixing", default="mixture",
                         help=f"how the tasks share a batch; accepted: {', '.join(MIXINGS)}")
-    parser.add_argument("--seeds", default="0")
-    parser.add_argument("--steps", type=int, default=DEFAULT_BUDGET["steps"])
-    parser.add_argument("--length", type=int, default=DEFAULT_BUDGET["max_seq_length"])
-    parser.add_argument("--peak_lr", type=float, default=DEFAULT_BUDGET["peak_learning_rate"])
-    parser.add_argument("--work_dir", default=None,
-                        help="train each run in <work_dir>/<record name> and keep it (else a "
-                             "temporary folder); see --resume")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue runs stopped part-way in --work_dir from their latest checkpoint")
-    parser.add_argument("--checkpoint_period", type=int, default=None,
-                        help="steps between checkpoints (default: gin/runs/train.gin's)")
-    parser.add_argument("--table", action="store_true")
     args = parser.parse_args(argv)
     if args.table:
         print(write_table())
         return
-    if not args.minilm:
-        parser.error("--minilm DIR is required to train (python -m ktx.convert.minilm prints it)")
     methods = args.methods.split(",")
-    for method in methods:
-        if method not in GLUE_METHODS:
-            parser.error(f"--methods: {method!r}; accepted: {', '.join(GLUE_METHODS)}")
+    check_run_arguments(parser, args, methods, GLUE_METHODS)
     if args.mixing not in MIXINGS:
         parser.error(f"--mixing={args.mixing!r}; accepted: {', '.join(MIXINGS)}")
-    if args.resume and not args.work_dir:
-        parser.error("--resume continues runs kept in --work_dir: pass --work_dir too")
-    if args.checkpoint_period is not None and args.checkpoint_period < 1:
-        parser.error(f"--checkpoint_period={args.checkpoint_period}: accepted: an int >= 1")
     for seed in (int(s) for s in args.seeds.split(",")):
         for method in methods:
             run(method, args.mixing, seed, args)
