@@ -126,11 +126,13 @@ def record_name(method: str, seed: int, budget: dict) -> str:
     return "-".join([method, *parts, f"seed{seed}"]) + ".json"
 
 
-def _flags(method: str, minilm: str, seed: int, budget: dict, model_dir: str) -> list[str]:
+def _flags(method: str, minilm: str, seed: int, budget: dict, model_dir: str,
+           experiment: str = "experiments/cs224n_encoders/minilm_l6.gin") -> list[str]:
+    """`ktx train`'s flags for `method` on `experiment` (glue_study.py passes its own)."""
     _, files, extra = METHODS[method]
     steps = budget["steps"]
     extra = extra(steps) if callable(extra) else extra
-    return (["--gin_file=experiments/cs224n_encoders/minilm_l6.gin",
+    return ([f"--gin_file={experiment}",
              *[f"--gin_file={f}" for f in files], "--gin_file=conditioning/mean_pooling.gin",
              f"--gin.MODEL_DIR='{model_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='hf:{minilm}'",
              f"--gin.ENCODER_VOCAB='{minilm}'", f"--gin.TRAIN_STEPS={steps}",

@@ -35,6 +35,7 @@ import time
 from cs224n_study import (  # beside this script
     DEFAULT_BUDGET, METHODS, _model_dir, _per_seed, _recorded, _seconds, add_run_arguments,
     check_run_arguments, record_name)
+from cs224n_study import _flags as _study_flags
 from report_markers import write_between
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -64,19 +65,12 @@ def _name(method: str, mixing: str, seed: int, budget: dict) -> str:
 
 
 def _flags(method: str, mixing: str, minilm: str, seed: int, budget: dict, model_dir: str) -> list[str]:
-    _, files, extra = METHODS[method]
-    return (["--gin_file=experiments/glue_encoders/minilm_l6.gin",
-             *[f"--gin_file={f}" for f in files], "--gin_file=conditioning/mean_pooling.gin",
-             f"--gin.MODEL_DIR='{model_dir}'", f"--gin.INITIAL_CHECKPOINT_PATH='hf:{minilm}'",
-             f"--gin.ENCODER_VOCAB='{minilm}'", f"--gin.TRAIN_STEPS={budget['steps']}",
-             f"--gin.MAX_SEQ_LENGTH={budget['max_seq_length']}", f"--gin.SEED={seed}",
-             "--gin.optimizers.linear_decay_schedule.peak_learning_rate="
-             f"{budget['peak_learning_rate']:g}",
-             # the evaluation at the last step only (the gin file also runs the
-             # teacher-forced loss), as in the study's first runs
-             "--gin.train_script.train.evaluators=[@label_eval.LabelEvaluator()]"]
-            + ([] if mixing == "mixture" else [f"--gin.pipeline.MultiTaskInput.mixing='{mixing}'"])
-            + extra)
+    return (_study_flags(method, minilm, seed, budget, model_dir,
+                         experiment="experiments/glue_encoders/minilm_l6.gin")
+            # the evaluation at the last step only (the gin file also runs the
+            # teacher-forced loss), as in the study's first runs
+            + ["--gin.train_script.train.evaluators=[@label_eval.LabelEvaluator()]"]
+            + ([] if mixing == "mixture" else [f"--gin.pipeline.MultiTaskInput.mixing='{mixing}'"]))
 
 
 def _read_run(model_dir: pathlib.Path, steps: int) -> tuple[dict, list]:
