@@ -33,7 +33,7 @@ import sys
 import time
 
 from cs224n_study import (  # beside this script
-    DEFAULT_BUDGET, METHODS, _model_dir, _per_seed, _recorded, _seconds, add_run_arguments,
+    DEFAULT_BUDGET, METHODS, _model_dir, _per_seed, _recorded, _saving_flags, _seconds, add_run_arguments,
     check_run_arguments, record_name)
 from cs224n_study import _flags as _study_flags
 from report_markers import write_between
@@ -95,9 +95,7 @@ def run(method: str, mixing: str, seed: int, args) -> dict:
         print(f"{out.name}: cached", flush=True)
         return json.loads(out.read_text())
     model_dir, resumed = _model_dir(args, out.name.removesuffix(".json"))
-    flags = _flags(method, mixing, args.minilm, seed, budget, model_dir)
-    if args.checkpoint_period is not None:
-        flags.append(f"--gin.train_script.train.checkpoint_period={args.checkpoint_period}")
+    flags = _flags(method, mixing, args.minilm, seed, budget, model_dir) + _saving_flags(args)
     start = time.time()
     subprocess.run([sys.executable, "-m", "ktx", "train", *flags], check=True, cwd=REPO)
     seconds = round(time.time() - start, 1)
