@@ -3,6 +3,7 @@ shadowed by what a run writes, and run-time errors as one `ktx ...: ...` line.""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -134,6 +135,17 @@ def test_missing_data_folder_is_one_line(workdir, capsys, monkeypatch):
     assert err.startswith("ktx train: ") and "no_such_data" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "Traceback" in (workdir / "runs" / "e" / "ktx_error.log").read_text()
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.0/0" in OCDBT database: Failed to '
+               "write 68440064 bytes to file 18: No space left on device [os_error_code='28']")])
+def test_full_disk_names_the_fix(workdir, capsys, error):
+    cli._report_failure(error, "train")
+    err = capsys.readouterr().err
+    assert err.startswith("ktx train: ") and len(err.strip().splitlines()) == 1
+    assert "keep_checkpoints" in err and "resumes from the latest complete checkpoint" in err
 
 
 def test_debug_flag_raises(workdir, monkeypatch):

@@ -183,7 +183,21 @@ def _report_failure(e: BaseException, command: str) -> None:
             log = None
     kind = "" if isinstance(e, (ValueError, FileNotFoundError, TypeError)) else f"{type(e).__name__}: "
     where = f" (traceback in {log}; --debug shows it here)" if log else " (--debug shows the traceback)"
-    print(f"ktx {command}: {kind}{_first_line(e)}{where}", file=sys.stderr)
+    print(f"ktx {command}: {kind}{_first_line(e)}{where}{_fix_for(e, command)}", file=sys.stderr)
+
+
+def _fix_for(e: BaseException, command: str) -> str:
+    """The fix the line names for a failure whose cause is known ('' otherwise). A full
+    disk reaches here as an OSError or, from orbax's tensorstore writer, as a ValueError
+    quoting the OS's message."""
+    import errno
+
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+        again = ("; then give the same command again: it resumes from the latest complete "
+                 "checkpoint" if command == "train" else "")
+        return (". Fix: free disk space where MODEL_DIR lies (a run keeps every checkpoint "
+                f"unless `train_script.train.keep_checkpoints = N` is bound){again}")
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
