@@ -9,6 +9,10 @@ rebuilds the markdown table from the records alone (written between the
     KTX_DATA_DIR=... python tests/benchmarks/cs224n_study.py --minilm "$DIR" \
         --methods plain,ca_mtl,pals,mt_uncertainty --seeds 0 --steps 600
     python tests/benchmarks/cs224n_study.py --table
+    python tests/benchmarks/cs224n_study.py --compare pals-steps1800-lr0.0002,plain-steps1800-lr0.0002
+
+`--compare A,B` prints two groups of records side by side on the seeds both have, with a
+paired t-test (one JSON line; glue_study.py takes it too, on the GLUE average).
 
 Every method shares the reduced budget the flags give (`--steps` of BATCH_SIZE rows,
 `--length` tokens, mean pooling: all-MiniLM-L6-v2 was trained with it), AdamW with linear
@@ -255,6 +259,49 @@ def _per_seed(records: list[dict], digits: int = 3) -> str:
     return text
 
 
+def paired(directory: pathlib.Path, a: str, b: str, score) -> dict:
+    """Two groups of records in `directory` compared seed by seed: `a` and `b` are record
+    names without `-seed<k>.json` (`tea_input-steps1800-lr0.0002`), `score(record)` the
+    figure compared. On the seeds both have: each side's scores, the differences a - b,
+    their mean and a paired t-test (`scipy.stats.ttest_rel`; t and p are None below two
+    seeds). A ValueError names a group with no record and the groups there are."""
+    import scipy.stats
+
+    def by_seed(stem: str) -> dict[int, float]:
+        records = [json.loads(p.read_text()) for p in directory.glob(f"{stem}-seed*.json")
+                   if p.name.removeprefix(f"{stem}-seed").removesuffix(".json").isdigit()]
+        if not records:
+            groups = sorted({p.name.rsplit("-seed", 1)[0] for p in directory.glob("*-seed*.json")})
+            raise ValueError(f"no record {stem}-seed<k>.json in {directory}; "
+                             f"the records there: {', '.join(groups)}")
+        return {r["seed"]: score(r) for r in records}
+
+    scores_a, scores_b = by_seed(a), by_seed(b)
+    seeds = sorted(set(scores_a) & set(scores_b))
+    left, right = [scores_a[s] for s in seeds], [scores_b[s] for s in seeds]
+    differences = [x - y for x, y in zip(left, right)]
+    t = p = None
+    if len(seeds) > 1:
+        test = scipy.stats.ttest_rel(left, right)
+        t, p = float(test.statistic), float(test.pvalue)
+    return {"a": a, "b": b, "seeds": seeds, "scores_a": left, "scores_b": right,
+            "differences": differences,
+            "mean_difference": sum(differences) / len(seeds) if seeds else None, "t": t, "p": p}
+
+
+def compare(parser: argparse.ArgumentParser, spec: str, directory: pathlib.Path, score) -> None:
+    """`--compare A,B`: print `paired`'s comparison as one JSON line (`parser.error` for a
+    bad spec or a group with no record)."""
+    stems = spec.split(",")
+    if len(stems) != 2 or not all(stems):
+        parser.error(f"--compare={spec!r}: accepted: two record names without -seed<k>.json, "
+                     "comma-separated (plain-steps1800-lr0.0002,pals-steps1800-lr0.0002)")
+    try:
+        print(json.dumps(paired(directory, *stems, score)))
+    except ValueError as e:
+        parser.error(f"--compare: {e}")
+
+
 def table() -> str:
     records = [json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json"))]
     lines = ["| method | seeds | steps | length | peak lr | SST-5 acc | Quora acc* | STS r | overall "
@@ -309,6 +356,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: gin/runs/train.gin's)")
     parser.add_argument("--table", action="store_true",
                         help="only rebuild the table from the records")
+    parser.add_argument("--compare", metavar="A,B", default=None,
+                        help="only compare two groups of records seed by seed (record names "
+                             "without -seed<k>.json): the scores, differences and a paired "
+                             "t-test, as one JSON line")
 
 
 def check_run_arguments(parser: argparse.ArgumentParser, args, methods: list[str], accepted) -> None:
@@ -333,6 +384,9 @@ def main(argv):
                         help="record an already trained MODEL_DIR of one --methods/--seeds run "
                              "(trained with the flags this script would give; wall time unknown)")
     args = parser.parse_args(argv)
+    if args.compare:
+        compare(parser, args.compare, RECORDS, lambda r: r["scores"]["overall"])
+        return
     if args.table:
         print(write_table())
         return

@@ -34,7 +34,7 @@ import time
 
 from cs224n_study import (  # beside this script
     DEFAULT_BUDGET, METHODS, _model_dir, _per_seed, _recorded, _saving_flags, _seconds, add_run_arguments,
-    check_run_arguments, record_name)
+    check_run_arguments, compare, record_name)
 from cs224n_study import _flags as _study_flags
 from report_markers import write_between
 
@@ -154,6 +154,9 @@ def main(argv):
     parser.add_argument("--mixing", default="mixture",
                         help=f"how the tasks share a batch; accepted: {', '.join(MIXINGS)}")
     args = parser.parse_args(argv)
+    if args.compare:
+        compare(parser, args.compare, RECORDS, lambda r: r["glue_average"])
+        return
     if args.table:
         print(write_table())
         return
