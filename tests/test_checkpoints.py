@@ -101,6 +101,55 @@ def test_initial_checkpoint_partial_restore_reports(tmp_path):
     assert resolve_checkpoint(tmp_path / "old").name == "0"
 
 
+
+_ONE_DEVICE_LOAD = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {repo!r})
+    import flax.linen as nn
+    import jax, jax.numpy as jnp, numpy as np
+    from ktx.training.checkpoints import load_initial_params
+    from tests.test_trainer import ToyInput, ToyModel
+
+    assert jax.device_count() == 1, jax.devices()
+    model = ToyModel()
+    # Shapes without shardings, as `ktx analyze` builds them (jax.eval_shape).
+    abstract = nn.meta.unbox(jax.eval_shape(
+        lambda r: model.init_variables(r, ToyInput().get_batch(0))["params"], jax.random.key(0)))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
+    params, report = load_initial_params(sys.argv[1], abstract, zeros)
+    assert not report.initialized, report.initialized
+    flat = {{"/".join(str(k.key) for k in path): np.asarray(v)
+            for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}}
+    np.savez(sys.argv[2], **flat)
+    """
+)
+
+
+def test_checkpoint_saved_on_a_mesh_loads_on_one_device_without_shardings(tmp_path):
+    """A checkpoint written by a 2x4-mesh run is read by a one-device process that gives
+    no shardings (`ktx analyze`'s case): the saved run's devices do not exist there, so
+    the leaves go to the local device, with the saved values."""
+    tr, state = _state(mesh_partitions=4)
+    assert state.params["Dense_0"]["kernel"].sharding.mesh.shape == {"data": 2, "model": 4}
+    mgr = CheckpointManager(tmp_path / "run", save_period=1)
+    mgr.save(state, force=True)
+    mgr.close()
+    script = tmp_path / "load.py"
+    script.write_text(_ONE_DEVICE_LOAD.format(repo=str(REPO)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(tmp_path / "out.npz")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(tmp_path / "out.npz", allow_pickle=False) as loaded:
+        saved = {"/".join(str(k.key) for k in path): np.asarray(v)
+                 for path, v in jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]}
+        assert sorted(loaded.files) == sorted(saved)
+        for name, value in saved.items():
+            np.testing.assert_array_equal(loaded[name], value)
+
+
 _SCRIPT = textwrap.dedent(
     """
     import os, sys, time

@@ -188,27 +188,10 @@ def read_ktx_checkpoint(
     step directory (latest step unless `step`), the `T5Config` or `BertConfig` its
     metadata records (checkpoints written by `ktx import`; None otherwise) and the step
     directory."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from ktx.training.checkpoints import _reading, resolve_checkpoint
-    from ktx.training.summaries import quiet_absl
+    from ktx.training.checkpoints import host_params, resolve_checkpoint
 
     step_dir = resolve_checkpoint(path, step)
-
-    def read():
-        with quiet_absl("Metadata file does not exist"):  # it sits one folder up
-            metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
-        tree = getattr(metadata, "item_metadata", metadata)
-        tree = getattr(tree, "tree", tree)
-        item = {"params": jax.tree.map(lambda _: 0, tree["params"])}
-        args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree["params"])}
-        return ocp.PyTreeCheckpointer().restore(
-            step_dir / "state",
-            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
-        )["params"]
-
-    params = _reading(step_dir, read)
+    params = host_params(step_dir)
     config = None
     meta_file = step_dir / "meta" / "metadata"
     if meta_file.is_file():

@@ -152,10 +152,15 @@ def _model_state_message(where: str, saved: Mapping[str, Any] | None, expected: 
 
 
 def _restore_args(abstract_tree: Any) -> Any:
+    """Orbax restore arguments placing each leaf with its own sharding; a leaf without one
+    (`jax.eval_shape`'s output, as `ktx analyze` builds) goes where `jnp` would put a new
+    array, this process's first device. Never the sharding recorded in the checkpoint: it
+    names the saving run's devices, which need not exist here (a checkpoint saved on a
+    2x4 mesh read on one device)."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
     def arg(a):
-        sharding = getattr(a, "sharding", None)
-        if sharding is None:
-            return ocp.RestoreArgs(dtype=a.dtype)
+        sharding = getattr(a, "sharding", None) or default
         return ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=sharding, global_shape=a.shape)
 
     return jax.tree.map(arg, abstract_tree)
@@ -425,16 +430,15 @@ def load_initial_params(
     return jax.tree.unflatten(treedef, leaves), report
 
 
-def _load_initial_params_converted(
-    step_dir: pathlib.Path, abstract_params: Any, init_params: Any
-) -> tuple[Any, InitReport]:
-    """`load_initial_params` from a ktx checkpoint in the other layer layout: its
-    parameters are read to the host, converted (`scan_layout.convert_layout`) and placed
-    with the model's shardings (each process copies only its own shards)."""
+def host_params(step_dir: str | os.PathLike) -> Any:
+    """The parameter tree of a ktx checkpoint step directory as host numpy arrays, read
+    without a model, a mesh or the saving run's devices (`_reading`'s errors)."""
     import numpy as np
 
+    step_dir = pathlib.Path(step_dir)
+
     def read():
-        with quiet_absl("Metadata file does not exist"):
+        with quiet_absl("Metadata file does not exist"):  # it sits one folder up
             metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
         tree = getattr(metadata, "item_metadata", metadata)
         tree = getattr(tree, "tree", tree)
@@ -446,9 +450,19 @@ def _load_initial_params_converted(
             args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
         )["params"]
 
-    saved_tree = _reading(step_dir, read)
+    return _reading(step_dir, read)
+
+
+def _load_initial_params_converted(
+    step_dir: pathlib.Path, abstract_params: Any, init_params: Any
+) -> tuple[Any, InitReport]:
+    """`load_initial_params` from a ktx checkpoint in the other layer layout: its
+    parameters are read to the host, converted (`scan_layout.convert_layout`) and placed
+    with the model's shardings (each process copies only its own shards)."""
+    import numpy as np
+
     flat = {param_path(p): np.asarray(v)
-            for p, v in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+            for p, v in jax.tree_util.tree_flatten_with_path(host_params(step_dir))[0]}
     expected = _flat_shapes(abstract_params)
     want = scan_layout.is_scanned(dict.fromkeys(expected, 0))
     flat = scan_layout.convert_layout(flat, scanned=bool(want))

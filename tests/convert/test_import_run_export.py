@@ -9,13 +9,10 @@ Hugging Face counterpart."""
 from __future__ import annotations
 
 import gin
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from ktx import cli, convert
-from ktx.training.checkpoints import resolve_checkpoint
 from ktx.training.summaries import read_metrics
 from tests.convert.conftest import checkpoint_fixture
 
@@ -51,8 +48,7 @@ def _train(run: str, initial: str, model_gin: str) -> list[str]:
 
 
 def _params(run) -> dict[str, np.ndarray]:
-    tree = ocp.PyTreeCheckpointer().restore(resolve_checkpoint(run) / "state")["params"]
-    return convert.flatten(jax.tree.map(np.asarray, tree))
+    return convert.read_ktx_checkpoint(run)[0]
 
 
 def test_import_hyperprompt_run_export(tmp_path, monkeypatch, capsys):
