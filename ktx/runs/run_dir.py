@@ -4,7 +4,7 @@
       config.gin            the operative gin config of `ktx train` (written once the state exists)
       metrics.jsonl         train metrics, one JSON record per (step, split, task)
       events.out.tfevents.* the same values as TensorBoard scalars
-      checkpoints/<step>/   orbax steps (`ktx.training.checkpoints`); `<step>.corrupt`: set aside
+      checkpoints/<step>/   orbax steps (`ktx.training.checkpoints`); `<step>.corrupt[.<n>]`: set aside
       eval/                 `ktx eval`: its own config.gin, metrics.jsonl and events
       ktx_error.log         the traceback of the last command that failed on this run
 

@@ -60,8 +60,9 @@ class CorruptCheckpointError(RuntimeError):
     """A saved step cannot be read (truncated or corrupted files); the message names
     the step and, where the storage layer says, the file."""
 
-    def __init__(self, step_dir: pathlib.Path, cause: BaseException):
+    def __init__(self, step_dir: pathlib.Path, cause: BaseException, note: str = ""):
         self.step_dir = pathlib.Path(step_dir)
+        self.cause = cause
         # orbax wraps the storage error; the innermost one names the array and file.
         chain, e = [], cause
         while e is not None and len(chain) < 8:
@@ -70,7 +71,8 @@ class CorruptCheckpointError(RuntimeError):
         named = [c for c in reversed(chain) if str(self.step_dir) in str(c)] or [chain[0]]
         text = str(named[0]).strip()
         head = text.splitlines()[0][:400] if text else type(named[0]).__name__
-        super().__init__(f"checkpoint step {self.step_dir.name} ({self.step_dir}) is unreadable: {head}")
+        super().__init__(f"checkpoint step {self.step_dir.name} ({self.step_dir}) is unreadable: {head}"
+                         + (f"; {note}" if note else ""))
 
 
 def _reading(step_dir: pathlib.Path, fn, *args, **kwargs):
@@ -332,24 +334,37 @@ class CheckpointManager:
     def restore_latest_good(self, abstract_state: TrainState) -> TrainState | None:
         """Restores the newest readable step (None when there is no checkpoint).
 
-        A step that cannot be read is reported (step and file), moved aside to
-        `<step>.corrupt` so that the resumed run can save that step again, and the
-        previous step is tried. Raises CorruptCheckpointError when no step is readable.
+        Steps are tried newest first. When an older step reads, each newer one that did not
+        is reported (step and file) and moved aside to `<step>.corrupt`, so that the resumed
+        run can save that step again. When no step reads, none is moved (the cause may be
+        this machine, not the files: memory, devices, library versions) and a
+        CorruptCheckpointError names the newest step's error.
         """
-        steps = self.all_steps()
-        for i, step in enumerate(reversed(steps)):
+        failed: list[CorruptCheckpointError] = []
+        for step in reversed(self.all_steps()):
             try:
-                return self.restore(abstract_state, step)
+                state = self.restore(abstract_state, step)
             except CorruptCheckpointError as e:
-                earlier = steps[-2 - i] if i + 1 < len(steps) else None
-                aside = self.directory / f"{step}.corrupt"
-                (self.directory / str(step)).rename(aside)
+                failed.append(e)
+                continue
+            for e in failed:
+                aside = self.directory / f"{e.step_dir.name}.corrupt"
+                n = 0
+                while aside.exists():  # that step was set aside before (<step>.corrupt.<n>)
+                    n += 1
+                    aside = self.directory / f"{e.step_dir.name}.corrupt.{n}"
+                e.step_dir.rename(aside)
+                print(f"ktx: {e}; moved it to {aside}; resuming from step {step}", flush=True)
+            if failed:
                 self._manager.reload()
-                print(f"ktx: {e}; moved it to {aside}; "
-                      + (f"resuming from step {earlier}" if earlier is not None
-                         else "no earlier checkpoint"), flush=True)
-                if earlier is None:
-                    raise
+            return state
+        if failed:
+            newest = failed[0]
+            raise CorruptCheckpointError(
+                newest.step_dir, newest.cause,
+                note=f"no step of {self.directory} can be read "
+                     f"({', '.join(e.step_dir.name for e in failed)}), so none was moved aside: "
+                     "if the files are sound, the cause is on this machine")
         return None
 
 
