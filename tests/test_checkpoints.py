@@ -26,6 +26,7 @@ from ktx.training.checkpoints import (
     restore_params,
 )
 from ktx.training.trainer import Trainer
+from tests.test_cli_paths import _corrupt
 from tests.test_trainer import ToyInput, ToyModel
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -102,16 +103,6 @@ def test_initial_checkpoint_partial_restore_reports(tmp_path):
     assert resolve_checkpoint(tmp_path / "old").name == "0"
 
 
-
-
-def _truncate(step_dir: pathlib.Path) -> None:
-    """Truncates every array file of a saved step, as a full disk or a killed copy would."""
-    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and "d" in f.parent.name]
-    assert files
-    for f in files:
-        f.write_bytes(f.read_bytes()[:7])
-
-
 def test_restore_latest_good_moves_aside_only_steps_newer_than_a_readable_one(tmp_path, capsys):
     tr, state = _state()
     mgr = CheckpointManager(tmp_path, save_period=2)
@@ -119,7 +110,7 @@ def test_restore_latest_good_moves_aside_only_steps_newer_than_a_readable_one(tm
         mgr.save(state.replace(step=jax.numpy.int32(step)))
     mgr.close()
     abstract, _ = tr.create_abstract_state(ToyInput().get_batch(0))
-    _truncate(tmp_path / "checkpoints" / "4")
+    _corrupt(tmp_path / "checkpoints" / "4")
     restored = CheckpointManager(tmp_path).restore_latest_good(abstract)
     assert int(restored.step) == 2
     assert "moved it to" in capsys.readouterr().out
@@ -128,7 +119,7 @@ def test_restore_latest_good_moves_aside_only_steps_newer_than_a_readable_one(tm
     mgr = CheckpointManager(tmp_path, save_period=2)
     mgr.save(state.replace(step=jax.numpy.int32(4)))
     mgr.close()
-    _truncate(tmp_path / "checkpoints" / "4")
+    _corrupt(tmp_path / "checkpoints" / "4")
     assert int(CheckpointManager(tmp_path).restore_latest_good(abstract).step) == 2
     assert (tmp_path / "checkpoints" / "4.corrupt.1").is_dir()
     assert CheckpointManager(tmp_path).all_steps() == [2]
@@ -138,7 +129,7 @@ def test_restore_latest_good_moves_aside_only_steps_newer_than_a_readable_one(tm
     mgr.save(state.replace(step=jax.numpy.int32(4)))
     mgr.close()
     for step in ("2", "4"):
-        _truncate(tmp_path / "checkpoints" / step)
+        _corrupt(tmp_path / "checkpoints" / step)
     with pytest.raises(CorruptCheckpointError, match=r"step 4 .*no step of .* \(4, 2\), so none was moved"):
         CheckpointManager(tmp_path).restore_latest_good(abstract)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4", "4.corrupt", "4.corrupt.1"]
