@@ -119,7 +119,11 @@ def _saved_tree_metadata(step_dir: pathlib.Path) -> Mapping[str, Any]:
     with quiet_absl("Metadata file does not exist"):
         metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
     tree = getattr(metadata, "item_metadata", metadata)
-    return getattr(tree, "tree", tree)
+    tree = getattr(tree, "tree", tree)
+    if tree is None:  # orbax answers None, not an error, when the step's metadata is damaged
+        raise ValueError(f"orbax found no array metadata in {step_dir / 'state'} (its "
+                         "array_metadatas/ or OCDBT manifest is missing or truncated)")
+    return tree
 
 
 def _model_state_message(where: str, saved: Mapping[str, Any] | None, expected: Any) -> str | None:
@@ -453,10 +457,7 @@ def host_params(step_dir: str | os.PathLike) -> Any:
     step_dir = pathlib.Path(step_dir)
 
     def read():
-        with quiet_absl("Metadata file does not exist"):  # it sits one folder up
-            metadata = ocp.StandardCheckpointer().metadata(step_dir / "state")
-        tree = getattr(metadata, "item_metadata", metadata)
-        tree = getattr(tree, "tree", tree)
+        tree = _saved_tree_metadata(step_dir)
         item = {"params": jax.tree.map(lambda _: 0, tree["params"])}
         args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
                                        tree["params"])}
