@@ -15,6 +15,11 @@ The issue's goal: every method <= 1.15x plain BERT.
     python tests/benchmarks/encoder_step.py --small    # 4 x 256, 4 heads, MLP 1024, L = 64, B = 8
     python tests/benchmarks/encoder_step.py --small --scan   # every stack scanned
 
+`--cost` adds XLA's cost analysis of each method's compiled step (floating-point operations
+and bytes accessed) relative to plain BERT's: what a method adds in arithmetic and in memory
+traffic, independent of the machine's load. Only an unrolled stack gives whole-step figures
+(XLA counts a scanned stack's body once), so `--cost` refuses `--scan`.
+
 Prints one line per method, then one JSON object (the last line).
 """
 
@@ -78,6 +83,14 @@ class Runner:
         self.batch = self.trainer.global_batch(batch)
         self.rng = jax.random.key(1)
 
+    def cost(self) -> tuple[float, float]:
+        """XLA's (flops, bytes accessed) of the compiled train step."""
+        analysis = self.trainer.lower_train_step(self.state, self.batch, self.rng).compile()
+        analysis = analysis.cost_analysis()
+        if isinstance(analysis, list):  # older jax: one dict per computation
+            analysis = analysis[0]
+        return float(analysis["flops"]), float(analysis["bytes accessed"])
+
     def step(self) -> float:
         t0 = time.perf_counter()
         self.state, metrics = self.trainer.train_step(self.state, self.batch, self.rng)
@@ -102,7 +115,13 @@ def main(argv=None):
     parser.add_argument("--scan", action="store_true",
                         help="every model with a scanned layer stack (BertConfig.scan_layers), "
                              "plain BERT's scanned too")
+    parser.add_argument("--cost", action="store_true",
+                        help="also report XLA's flops and bytes accessed of each step over "
+                             "plain BERT's (unrolled stacks only)")
     args = parser.parse_args(argv)
+    if args.cost and args.scan:
+        parser.error("--cost with --scan: XLA counts a scanned stack's body once, so its cost "
+                     "analysis is not a whole step's; drop one of the two")
     if args.small:
         args.hidden, args.layers, args.heads, args.intermediate, args.seq = 256, 4, 4, 1024, 64
     methods = [m for m in args.methods.split(",") if m]
@@ -143,6 +162,16 @@ def main(argv=None):
         "ratio_to_plain": {k: round(v, 3) for k, v in ratios.items()},
         "within_1.15x": {k: bool(v <= 1.15) for k, v in ratios.items() if k in METHODS},
     }
+    if args.cost:
+        costs = {name: runner.cost() for name, runner in runners.items()}
+        base_flops, base_bytes = costs["plain"]
+        result["xla_cost_ratio"] = {
+            "flops": {k: round(f / base_flops, 3) for k, (f, _) in costs.items()},
+            "bytes_accessed": {k: round(b / base_bytes, 3) for k, (_, b) in costs.items()}}
+        result["plain_gflop"] = round(base_flops / 1e9, 2)
+        for name, (f, b) in costs.items():
+            print(f"{name}: XLA flops {f / base_flops:.3f}x, bytes accessed "
+                  f"{b / base_bytes:.3f}x plain BERT", flush=True)
     print(json.dumps(result))
 
 
