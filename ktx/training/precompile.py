@@ -40,7 +40,7 @@ from ktx.training.trainer import Trainer
 
 __all__ = [
     "CHIPS", "CompileDiedError", "DoesNotFitError", "PrecompileReport", "TEST_CHILD_ENV", "precompile",
-    "libtpu_init_args", "precompile_in_child", "topology_devices",
+    "cost_analysis", "libtpu_init_args", "precompile_in_child", "topology_devices",
 ]
 
 
@@ -139,6 +139,16 @@ class PrecompileReport:
         elif self.fits:
             lines.append("  fits")
         return "\n".join(lines)
+
+
+def cost_analysis(compiled: Any) -> dict[str, float] | None:
+    """XLA's cost analysis of a compiled computation (`flops`, `bytes accessed`, ...), None
+    when XLA gives none; older jax returns one dict per computation, of which the first is
+    the entry's."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    return cost
 
 
 def _chip(topology: str) -> Chip | None:
@@ -272,9 +282,7 @@ def precompile(
         raise
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
+    cost = cost_analysis(compiled)
     flops = float(cost["flops"]) if cost and "flops" in cost else None
     chip = _chip(topology)
     # Per device: a chip's HBM and peak shared by the devices JAX exposes per chip.

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from ktx.models import bert, camtl, encoder, pals, smart, tea
-from ktx.training import optimizers
+from ktx.training import optimizers, precompile
 from ktx.training.trainer import Trainer
 
 NUM_LABELS = (5, 2, 1)
@@ -88,9 +88,7 @@ class Runner:
         diagnostics: the optimizer is not a balancer)."""
         compiled = self.trainer.lower_train_step(self.state, self.batch, self.rng,
                                                  log_diagnostics=False).compile()
-        analysis = compiled.cost_analysis()
-        if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
-            analysis = analysis[0]
+        analysis = precompile.cost_analysis(compiled)
         return float(analysis["flops"]), float(analysis["bytes accessed"])
 
     def step(self) -> float:

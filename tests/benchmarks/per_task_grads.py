@@ -45,6 +45,7 @@ import numpy as np
 import optax
 
 import ktx.optim as ko
+from ktx.training import precompile
 
 T = 4
 
@@ -194,8 +195,7 @@ def _bytes_accessed(tr, state, host_batch, counts):
     compiled = tr.lower_train_step(state, tr.global_batch(host_batch, counts),
                                    jax.random.key(1), task_counts=counts,
                                    log_diagnostics=False).compile()
-    analysis = compiled.cost_analysis()
-    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    analysis = precompile.cost_analysis(compiled)
     return float(analysis["bytes accessed"])
 
 
