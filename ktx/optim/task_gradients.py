@@ -214,12 +214,12 @@ def merge_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
     return jax.vmap(one)(x.indices, rows)
 
 
-def _sparse_gram(x: SparseRows) -> jax.Array:
-    """`[T, T]` Gram of `SparseRows` from the rows: for task i and every task j, each of
-    i's (merged) rows is matched to j's row of the same index by binary search (the first
-    of equal indices is the real row; padding rows are zero, so a match with one adds 0);
-    one task at a time (`lax.map`), so the peak is `[T, n, dim]`, the size of the rows."""
-    idx, rows = merge_rows(x)  # sorted per task
+def _gram_by_search(idx: jax.Array, rows: jax.Array) -> jax.Array:
+    """The Gram of merged, per-task sorted rows by binary search: for task i and every
+    task j, each of i's rows is matched to j's row of the same index (the first of equal
+    indices is the real row; padding rows are zero, so a match with one adds 0); one task
+    at a time (`lax.map`), so the peak is `[T, n, dim]`, the size of the rows. Cheapest on
+    a CPU; on a GPU each step of the search loop is a launch of its own."""
 
     def gram_row(args):
         idx_i, rows_i = args  # [n], [n, dim]
@@ -230,6 +230,40 @@ def _sparse_gram(x: SparseRows) -> jax.Array:
         return jnp.einsum("tnd,nd,tn->t", other, rows_i, match.astype(jnp.float32))
 
     return jax.lax.map(gram_row, (idx, rows))
+
+
+def _gram_by_sort(idx: jax.Array, rows: jax.Array) -> jax.Array:
+    """The Gram of merged rows without loops: all tasks' rows sorted together by index
+    (a zero row gets a key of its own, below every real index), so that the rows of one
+    index, at most one per task, lie next to each other; the products of each row with
+    the rows 0..T-1 places further on, where the index is the same, are the Gram's terms.
+    One sort and `T` shifted products of `[T * n, dim]`: a few kernels whatever `n`, for
+    a GPU, where `_gram_by_search`'s loop costs a launch per step (about 2.5x its time on
+    a CPU)."""
+    t, n, d = rows.shape
+    flat = rows.reshape(t * n, d)
+    zero = jnp.all(flat == 0, axis=1)
+    key = jnp.where(zero, -1 - jnp.arange(t * n, dtype=idx.dtype), idx.reshape(-1))
+    s_key, perm = jax.lax.sort((key, jnp.arange(t * n, dtype=jnp.int32)), num_keys=1)
+    s_rows = flat[perm]
+    onehot = (perm[:, None] // n == jnp.arange(t, dtype=jnp.int32)[None]).astype(jnp.float32)
+    gram = jnp.zeros((t, t), jnp.float32)
+    for k in range(min(t, t * n)):
+        a, b = slice(0, t * n - k), slice(k, t * n)
+        prod = jnp.sum(s_rows[a] * s_rows[b], axis=1) * (s_key[a] == s_key[b])  # [T*n - k]
+        g = jnp.matmul(onehot[a].T, prod[:, None] * onehot[b],  # row's task x task k on
+                       precision=jax.lax.Precision.HIGHEST)
+        gram = gram + (g if k == 0 else g + g.T)
+    return gram
+
+
+def _sparse_gram(x: SparseRows) -> jax.Array:
+    """`[T, T]` Gram of `SparseRows` from the rows (duplicates merged per task first):
+    by sort on GPUs, by binary search elsewhere (`lax.platform_dependent`: the lowered
+    program holds one of the two). No table is ever built."""
+    idx, rows = merge_rows(x)  # sorted per task
+    return jax.lax.platform_dependent(idx, rows, cuda=_gram_by_sort, rocm=_gram_by_sort,
+                                      default=_gram_by_search)
 
 
 def leaf_gram(x: Any) -> jax.Array:

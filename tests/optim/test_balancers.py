@@ -326,6 +326,28 @@ def test_sparse_gram_equals_dense_and_builds_no_table():
     np.testing.assert_allclose(d["grad_norm/t/task1"], np.sqrt(want[1, 1]), rtol=1e-5)
 
 
+def test_sparse_gram_by_sort_equals_by_search():
+    # Both lowerings of the sparse Gram (`lax.platform_dependent` picks the sort on GPUs,
+    # the binary search elsewhere) on rows laid out as the engine builds them: each task
+    # sorted and merged, free slots (zero rows) at num_rows - 1, where task 1 also has a
+    # real row, and a task whose rows are all zero.
+    from ktx.optim.task_gradients import _gram_by_search, _gram_by_sort
+
+    rng = np.random.default_rng(0)
+    t, n, d, num_rows = 4, 7, 3, 9
+    idx = np.full((t, n), num_rows - 1, np.int32)
+    rows = np.zeros((t, n, d), np.float32)
+    for task, ids in enumerate([[0, 2, 5], [2, 5, 8], [1, 2, 3, 4, 5, 6], []]):
+        idx[task, :len(ids)] = ids
+        rows[task, :len(ids)] = rng.normal(size=(len(ids), d))
+    x = ko.SparseRows(jnp.asarray(idx), jnp.asarray(rows), num_rows=num_rows, sorted_unique=True)
+    dense = np.asarray(ko.task_gradients.leaf_dense(x), np.float64).reshape(t, -1)
+    want = dense @ dense.T
+    for fn in (_gram_by_sort, _gram_by_search):
+        got = jax.jit(fn)(x.indices, x.rows)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=fn.__name__)
+
+
 # --- absent tasks ---------------------------------------------------------------------
 
 ABSENT1 = {"w": jnp.array([[1.0, 0.0], [0.0, 0.0]])}  # task 1 has no rows: zero gradient
