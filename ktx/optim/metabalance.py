@@ -32,8 +32,8 @@ from ktx.optim.selection import group_names
 from ktx.optim.task_gradients import (
     flatten_task_gradients,
     leaf_combine,
-    leaf_sq_norms,
     num_tasks_of,
+    sq_norms,
 )
 
 __all__ = ["STRATEGIES", "MetaBalanceState", "metabalance"]
@@ -116,9 +116,8 @@ def metabalance(
         names = group_names(state.moving_norms, groups)
         # Norm of each group: sqrt of the sum of its members' squared norms.
         group_sq: dict[str, jax.Array] = {}
-        for name, s in zip(names, stacked):
-            if s is not None:
-                sq = leaf_sq_norms(s)
+        for name, sq in zip(names, sq_norms(stacked)):
+            if sq is not None:
                 group_sq[name] = group_sq[name] + sq if name in group_sq else sq
         new_m: dict[str, jax.Array] = {}
         weights: dict[str, jax.Array] = {}

@@ -26,6 +26,7 @@ never a `[T, vocab, dim]` tensor.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.struct
@@ -38,6 +39,7 @@ __all__ = [
     "as_task_gradients",
     "flatten_task_gradients",
     "leaf_sq_norms",
+    "sq_norms",
     "leaf_gram",
     "merge_rows",
     "leaf_combine",
@@ -178,6 +180,48 @@ def leaf_sq_norms(x: Any) -> jax.Array:
     return jnp.sum(x * x, axis=tuple(range(1, x.ndim)))
 
 
+# `sq_norms` reduces the dense leaves in chunks of this many elements (the last chunk of
+# each leaf zero-padded): one reduction over all of them, then one over each leaf's chunks.
+NORM_CHUNK = 512
+
+
+def _chunked(leaves: list) -> tuple[jax.Array, list[int]]:
+    """Dense `[T, ...]` leaves cut into `NORM_CHUNK`-element chunks (each leaf's last one
+    zero-padded) and concatenated: `[T, chunks, NORM_CHUNK]` float32, and the chunk offset
+    where each leaf starts (one more at the end). Only ever an operand of a reduction,
+    which XLA fuses the padding and the concatenation into: nothing is copied."""
+    t = leaves[0].shape[0]
+    parts, bounds = [], [0]
+    for x in leaves:
+        f = x.astype(jnp.float32).reshape(t, -1)
+        k = -(-f.shape[1] // NORM_CHUNK)
+        f = jnp.pad(f, ((0, 0), (0, k * NORM_CHUNK - f.shape[1])))
+        parts.append(f.reshape(t, k, NORM_CHUNK))
+        bounds.append(bounds[-1] + k)
+    return jnp.concatenate(parts, axis=1), bounds
+
+
+def sq_norms(leaves: list) -> list:
+    """`[T]` squared norms of every leaf of `leaves` (None stays None), computed together.
+
+    Equal to `[leaf_sq_norms(x) for x in leaves]`, but the dense leaves are reduced as one
+    `[T, chunks, NORM_CHUNK]` array (`_chunked`), then each leaf's chunk sums are added: a
+    couple of kernels for a whole model, where one reduction per parameter is a launch
+    each on a GPU."""
+    out = [None if x is None else (leaf_sq_norms(x) if isinstance(x, SparseRows) else None)
+           for x in leaves]
+    dense = [i for i, x in enumerate(leaves) if x is not None and not isinstance(x, SparseRows)]
+    if len(dense) < 2:
+        for i in dense:
+            out[i] = leaf_sq_norms(leaves[i])
+        return out
+    chunks, bounds = _chunked([leaves[i] for i in dense])
+    per_chunk = jnp.sum(chunks * chunks, axis=2)  # [T, chunks]
+    for j, i in enumerate(dense):
+        out[i] = jnp.sum(per_chunk[:, bounds[j]:bounds[j + 1]], axis=1)
+    return out
+
+
 def leaf_dense(x: Any) -> jax.Array:
     """`[T, *param_shape]` dense per-task gradients (densifies `SparseRows`)."""
     if not isinstance(x, SparseRows):
@@ -246,15 +290,21 @@ def _gram_by_sort(idx: jax.Array, rows: jax.Array) -> jax.Array:
     key = jnp.where(zero, -1 - jnp.arange(t * n, dtype=idx.dtype), idx.reshape(-1))
     s_key, perm = jax.lax.sort((key, jnp.arange(t * n, dtype=jnp.int32)), num_keys=1)
     s_rows = flat[perm]
-    onehot = (perm[:, None] // n == jnp.arange(t, dtype=jnp.int32)[None]).astype(jnp.float32)
-    gram = jnp.zeros((t, t), jnp.float32)
-    for k in range(min(t, t * n)):
-        a, b = slice(0, t * n - k), slice(k, t * n)
-        prod = jnp.sum(s_rows[a] * s_rows[b], axis=1) * (s_key[a] == s_key[b])  # [T*n - k]
-        g = jnp.matmul(onehot[a].T, prod[:, None] * onehot[b],  # row's task x task k on
-                       precision=jax.lax.Precision.HIGHEST)
-        gram = gram + (g if k == 0 else g + g.T)
-    return gram
+    task = perm // n
+    # Row e against row e + k, k = 0..T-1, all at once: the sorted arrays padded with T - 1
+    # rows of no index (keys that match nothing) and shifted.
+    pad = jnp.pad(s_rows, ((0, t - 1), (0, 0)))
+    pad_key = jnp.concatenate([s_key, jnp.full((t - 1,), -1 - t * n, s_key.dtype)])
+    pad_task = jnp.pad(task, (0, t - 1))
+    ks = range(t)
+    prod = jnp.stack([jnp.sum(s_rows * pad[k:k + t * n], axis=1)
+                      * (s_key == pad_key[k:k + t * n]) for k in ks])  # [T(k), T*n]
+    other = jnp.stack([pad_task[k:k + t * n] for k in ks])  # task of row e + k
+    tasks = jnp.arange(t, dtype=jnp.int32)
+    g = jnp.einsum("en,ke,kem->knm", (task[:, None] == tasks).astype(jnp.float32), prod,
+                   (other[..., None] == tasks).astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)  # [k, row's task, task k on]
+    return g[0] + jnp.sum(g[1:] + jnp.swapaxes(g[1:], 1, 2), axis=0)
 
 
 def _sparse_gram(x: SparseRows) -> jax.Array:
@@ -278,6 +328,10 @@ def leaf_gram(x: Any) -> jax.Array:
     return f @ f.T
 
 
+# Up to this many tasks `leaf_combine` writes the weighted sum out term by term.
+UNROLLED_COMBINE_MAX_TASKS = 16
+
+
 def leaf_combine(x: Any, weights: jax.Array) -> jax.Array:
     """`sum_t weights[t] * grad_t` of one parameter, in the gradient's dtype."""
     if isinstance(x, SparseRows):
@@ -286,12 +340,36 @@ def leaf_combine(x: Any, weights: jax.Array) -> jax.Array:
         scaled = (x.rows * w[:, None, None]).reshape(t * n, d)
         return jnp.zeros((x.num_rows, d), x.rows.dtype).at[x.indices.reshape(-1)].add(scaled)
     w = weights.astype(x.dtype)
+    if x.shape[0] <= UNROLLED_COMBINE_MAX_TASKS:
+        # Elementwise, so that XLA fuses it into its consumer (the optimizer's update): a
+        # contraction over T is a kernel of its own per parameter on a GPU.
+        out = x[0] * w[0]
+        for t in range(1, x.shape[0]):
+            out = out + x[t] * w[t]
+        return out
     return jnp.tensordot(w, x, axes=1)
 
 
+# `global_gram` takes a dense leaf of more elements than this on its own (one GEMM); the
+# smaller ones together, as one reduction.
+GRAM_BATCH_MAX_ELEMENTS = 1 << 16
+
+
 def global_gram(stacked_leaves: list) -> jax.Array:
-    """`[T, T]` inner products of the concatenated shared gradients of all tasks."""
-    grams = [leaf_gram(x) for x in stacked_leaves if x is not None]
+    """`[T, T]` inner products of the concatenated shared gradients of all tasks.
+
+    The dense leaves of at most `GRAM_BATCH_MAX_ELEMENTS` elements per task go in one
+    reduction (`_chunked`: no copy, one kernel where a GEMM per parameter is a launch
+    each on a GPU); larger leaves and `SparseRows` get their own `leaf_gram`."""
+    leaves = [x for x in stacked_leaves if x is not None]
+    small = [x for x in leaves if not isinstance(x, SparseRows)
+             and math.prod(x.shape[1:]) <= GRAM_BATCH_MAX_ELEMENTS]
+    grams = [leaf_gram(x) for x in leaves if not any(x is y for y in small)]
+    if len(small) == 1:
+        grams.append(leaf_gram(small[0]))
+    elif small:
+        chunks, _ = _chunked(small)
+        grams.append(jnp.sum(chunks[:, None] * chunks[None, :], axis=(2, 3)))
     return sum(grams[1:], grams[0])
 
 

@@ -348,6 +348,38 @@ def test_sparse_gram_by_sort_equals_by_search():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=fn.__name__)
 
 
+def test_batched_norms_and_gram_equal_the_per_leaf_ones(monkeypatch):
+    # `sq_norms` and `global_gram` reduce the dense leaves together (chunked, padded,
+    # concatenated); `leaf_combine` writes out the weighted sum up to 16 tasks. Each equals
+    # its one-leaf-at-a-time form, on leaves of every kind: [T] scalars, a leaf of one
+    # chunk exactly, ragged ones, a large one (its own GEMM), SparseRows and None.
+    from ktx.optim import task_gradients as tg
+
+    monkeypatch.setattr(tg, "NORM_CHUNK", 8)
+    monkeypatch.setattr(tg, "GRAM_BATCH_MAX_ELEMENTS", 40)
+    rng = np.random.default_rng(0)
+    t = 3
+    leaves = [jnp.asarray(rng.normal(size=shape), jnp.float32)
+              for shape in [(t,), (t, 8), (t, 3, 5), (t, 50), (t, 2, 2, 3)]]
+    sparse = ko.SparseRows(jnp.asarray(rng.integers(0, 5, (t, 4)), jnp.int32),
+                           jnp.asarray(rng.normal(size=(t, 4, 2)), jnp.float32), num_rows=5)
+    mixed = [leaves[0], None, sparse, *leaves[1:]]
+    got = jax.jit(tg.sq_norms)(mixed)
+    for g, x in zip(got, mixed):
+        if x is None:
+            assert g is None
+        else:
+            np.testing.assert_allclose(g, tg.leaf_sq_norms(x), rtol=1e-6)
+    want = sum(np.asarray(tg.leaf_gram(x), np.float64) for x in mixed if x is not None)
+    np.testing.assert_allclose(jax.jit(tg.global_gram)(mixed), want, rtol=1e-5, atol=1e-6)
+
+    for tasks in (3, 16, 17):
+        x = jnp.asarray(rng.normal(size=(tasks, 4, 5)), jnp.float32)
+        w = jnp.asarray(rng.normal(size=tasks), jnp.float32)
+        np.testing.assert_allclose(tg.leaf_combine(x, w), np.tensordot(np.asarray(w), np.asarray(x), 1),
+                                   rtol=1e-5, atol=1e-6)
+
+
 # --- absent tasks ---------------------------------------------------------------------
 
 ABSENT1 = {"w": jnp.array([[1.0, 0.0], [0.0, 0.0]])}  # task 1 has no rows: zero gradient
