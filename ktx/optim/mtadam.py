@@ -70,6 +70,7 @@ from ktx.optim.task_gradients import (
     leaf_sq_norms,
     nonzero_tasks,
     num_tasks_of,
+    sq_norms,
     task_max,
     task_sum,
 )
@@ -217,8 +218,10 @@ def mtadam(
 
         leaves = [jax.tree.leaves(x) for x in
                   (state.norms, state.mu, state.nu, state.nu_max, state.row_step)]
+        # Every dense leaf's per-task squared norms at once (one reduction, not one each).
+        dense_sq = sq_norms([None if isinstance(s, SparseRows) else s for s in stacked])
         out, new = [], [[] for _ in leaves]
-        for s, u, p, n, m, v, vmax, last in zip(stacked, summed, p_leaves, *leaves):
+        for s, sq, u, p, n, m, v, vmax, last in zip(stacked, dense_sq, summed, p_leaves, *leaves):
             nd = m.ndim
             if isinstance(s, SparseRows) and not decay:
                 d, row_state = _sparse_rows_step(s, n, m, v, vmax, last, count, task_scales,
@@ -240,7 +243,9 @@ def mtadam(
                 new_vmax = new_v0
             else:
                 g = leaf_dense(s).astype(jnp.float32)
-                new_n, scale = task_scales(jnp.sum(jnp.square(g).reshape(t, -1), axis=1), n)
+                if sq is None:  # SparseRows densified (weight decay touches every row)
+                    sq = jnp.sum(jnp.square(g).reshape(t, -1), axis=1)
+                new_n, scale = task_scales(sq, n)
                 shape = (t,) + (1,) * nd
                 h = scale.reshape(shape) * g
                 h_sum = task_sum(h)

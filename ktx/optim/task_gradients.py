@@ -185,11 +185,21 @@ def leaf_sq_norms(x: Any) -> jax.Array:
 NORM_CHUNK = 512
 
 
+# `sq_norms` and `global_gram` reduce the dense leaves of at most this many elements per
+# task together; a larger one on its own (on a CPU the concatenation is a copy).
+BATCH_MAX_ELEMENTS = 1 << 16
+
+
+def _batched(x: Any) -> bool:
+    return not isinstance(x, SparseRows) and math.prod(x.shape[1:]) <= BATCH_MAX_ELEMENTS
+
+
 def _chunked(leaves: list) -> tuple[jax.Array, list[int]]:
     """Dense `[T, ...]` leaves cut into `NORM_CHUNK`-element chunks (each leaf's last one
     zero-padded) and concatenated: `[T, chunks, NORM_CHUNK]` float32, and the chunk offset
-    where each leaf starts (one more at the end). Only ever an operand of a reduction,
-    which XLA fuses the padding and the concatenation into: nothing is copied."""
+    where each leaf starts (one more at the end). Only ever an operand of a reduction:
+    XLA's GPU compiler fuses the padding and the concatenation into it; its CPU compiler
+    copies the leaves once (hence `BATCH_MAX_ELEMENTS`)."""
     t = leaves[0].shape[0]
     parts, bounds = [], [0]
     for x in leaves:
@@ -204,13 +214,14 @@ def _chunked(leaves: list) -> tuple[jax.Array, list[int]]:
 def sq_norms(leaves: list) -> list:
     """`[T]` squared norms of every leaf of `leaves` (None stays None), computed together.
 
-    Equal to `[leaf_sq_norms(x) for x in leaves]`, but the dense leaves are reduced as one
-    `[T, chunks, NORM_CHUNK]` array (`_chunked`), then each leaf's chunk sums are added: a
-    couple of kernels for a whole model, where one reduction per parameter is a launch
-    each on a GPU."""
-    out = [None if x is None else (leaf_sq_norms(x) if isinstance(x, SparseRows) else None)
-           for x in leaves]
-    dense = [i for i, x in enumerate(leaves) if x is not None and not isinstance(x, SparseRows)]
+    Equal to `[leaf_sq_norms(x) for x in leaves]`, but the dense leaves of at most
+    `BATCH_MAX_ELEMENTS` elements per task are reduced as one `[T, chunks, NORM_CHUNK]`
+    array (`_chunked`), then each leaf's chunk sums are added: a couple of kernels for a
+    whole model, where one reduction per parameter is a launch each on a GPU. A larger
+    leaf, whose reduction is long enough to pay for its launch, and `SparseRows` are
+    reduced on their own."""
+    out = [None if x is None or _batched(x) else leaf_sq_norms(x) for x in leaves]
+    dense = [i for i, x in enumerate(leaves) if x is not None and _batched(x)]
     if len(dense) < 2:
         for i in dense:
             out[i] = leaf_sq_norms(leaves[i])
@@ -350,20 +361,16 @@ def leaf_combine(x: Any, weights: jax.Array) -> jax.Array:
     return jnp.tensordot(w, x, axes=1)
 
 
-# `global_gram` takes a dense leaf of more elements than this on its own (one GEMM); the
-# smaller ones together, as one reduction.
-GRAM_BATCH_MAX_ELEMENTS = 1 << 16
 
 
 def global_gram(stacked_leaves: list) -> jax.Array:
     """`[T, T]` inner products of the concatenated shared gradients of all tasks.
 
-    The dense leaves of at most `GRAM_BATCH_MAX_ELEMENTS` elements per task go in one
+    The dense leaves of at most `BATCH_MAX_ELEMENTS` elements per task go in one
     reduction (`_chunked`: no copy, one kernel where a GEMM per parameter is a launch
     each on a GPU); larger leaves and `SparseRows` get their own `leaf_gram`."""
     leaves = [x for x in stacked_leaves if x is not None]
-    small = [x for x in leaves if not isinstance(x, SparseRows)
-             and math.prod(x.shape[1:]) <= GRAM_BATCH_MAX_ELEMENTS]
+    small = [x for x in leaves if _batched(x)]
     grams = [leaf_gram(x) for x in leaves if not any(x is y for y in small)]
     if len(small) == 1:
         grams.append(leaf_gram(small[0]))
@@ -391,5 +398,5 @@ def combine_with_weights(updates: Any, weights: Any) -> Any:
 def nonzero_tasks(stacked_leaves: list) -> jax.Array:
     """`[T]` bool: tasks with some non-zero shared gradient (the default presence rule:
     a task with no rows in the batch has exactly zero gradients)."""
-    sq = [leaf_sq_norms(x) for x in stacked_leaves if x is not None]
+    sq = [x for x in sq_norms(stacked_leaves) if x is not None]
     return sum(sq[1:], sq[0]) > 0

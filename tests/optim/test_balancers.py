@@ -356,7 +356,7 @@ def test_batched_norms_and_gram_equal_the_per_leaf_ones(monkeypatch):
     from ktx.optim import task_gradients as tg
 
     monkeypatch.setattr(tg, "NORM_CHUNK", 8)
-    monkeypatch.setattr(tg, "GRAM_BATCH_MAX_ELEMENTS", 40)
+    monkeypatch.setattr(tg, "BATCH_MAX_ELEMENTS", 40)
     rng = np.random.default_rng(0)
     t = 3
     leaves = [jnp.asarray(rng.normal(size=shape), jnp.float32)
