@@ -273,8 +273,9 @@ def _gram_by_search(idx: jax.Array, rows: jax.Array) -> jax.Array:
     """The Gram of merged, per-task sorted rows by binary search: for task i and every
     task j, each of i's rows is matched to j's row of the same index (the first of equal
     indices is the real row; padding rows are zero, so a match with one adds 0); one task
-    at a time (`lax.map`), so the peak is `[T, n, dim]`, the size of the rows. Cheapest on
-    a CPU; on a GPU each step of the search loop is a launch of its own."""
+    at a time (`lax.map`), so the peak is `[T, n, dim]`, the size of the rows. The faster
+    on a CPU from a few hundred rows per task on; on a GPU each trip of its loops is
+    launches of its own."""
 
     def gram_row(args):
         idx_i, rows_i = args  # [n], [n, dim]
@@ -292,9 +293,9 @@ def _gram_by_sort(idx: jax.Array, rows: jax.Array) -> jax.Array:
     (a zero row gets a key of its own, below every real index), so that the rows of one
     index, at most one per task, lie next to each other; the products of each row with
     the rows 0..T-1 places further on, where the index is the same, are the Gram's terms.
-    One sort and `T` shifted products of `[T * n, dim]`: a few kernels whatever `n`, for
-    a GPU, where `_gram_by_search`'s loop costs a launch per step (about 2.5x its time on
-    a CPU)."""
+    One sort, `T` shifted products of `[T * n, dim]` and one einsum: a few kernels whatever
+    `n`, for a GPU, where each trip of `_gram_by_search`'s loops is launches of its own (on
+    a CPU the search is the faster from a few hundred rows per task on)."""
     t, n, d = rows.shape
     flat = rows.reshape(t * n, d)
     zero = jnp.all(flat == 0, axis=1)
