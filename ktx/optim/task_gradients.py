@@ -351,28 +351,30 @@ def leaf_combine(x: Any, weights: jax.Array) -> jax.Array:
         t, n, d = x.rows.shape
         scaled = (x.rows * w[:, None, None]).reshape(t * n, d)
         return jnp.zeros((x.num_rows, d), x.rows.dtype).at[x.indices.reshape(-1)].add(scaled)
-    w = weights.astype(x.dtype)
     if x.shape[0] <= UNROLLED_COMBINE_MAX_TASKS:
-        # Elementwise, so that XLA fuses it into its consumer (the optimizer's update): a
-        # contraction over T is a kernel of its own per parameter on a GPU.
-        out = x[0] * w[0]
+        # Elementwise (in float32), so that XLA fuses it into its consumer, the optimizer's
+        # update: a contraction over T is a kernel of its own per parameter on a GPU.
+        w = weights.astype(jnp.float32)
+        out = x[0].astype(jnp.float32) * w[0]
         for t in range(1, x.shape[0]):
-            out = out + x[t] * w[t]
-        return out
-    return jnp.tensordot(w, x, axes=1)
-
-
+            out = out + x[t].astype(jnp.float32) * w[t]
+        return out.astype(x.dtype)
+    return jnp.tensordot(weights.astype(x.dtype), x, axes=1)
 
 
 def global_gram(stacked_leaves: list) -> jax.Array:
     """`[T, T]` inner products of the concatenated shared gradients of all tasks.
 
     The dense leaves of at most `BATCH_MAX_ELEMENTS` elements per task go in one
-    reduction (`_chunked`: no copy, one kernel where a GEMM per parameter is a launch
-    each on a GPU); larger leaves and `SparseRows` get their own `leaf_gram`."""
-    leaves = [x for x in stacked_leaves if x is not None]
-    small = [x for x in leaves if _batched(x)]
-    grams = [leaf_gram(x) for x in leaves if not any(x is y for y in small)]
+    reduction (`_chunked`: one kernel, where a GEMM per parameter is a launch each on a
+    GPU); larger leaves and `SparseRows` get their own `leaf_gram`."""
+    small, grams = [], []
+    for x in stacked_leaves:
+        if x is not None:
+            if _batched(x):
+                small.append(x)
+            else:
+                grams.append(leaf_gram(x))
     if len(small) == 1:
         grams.append(leaf_gram(small[0]))
     elif small:
