@@ -319,13 +319,43 @@ def _gram_by_sort(idx: jax.Array, rows: jax.Array) -> jax.Array:
     return g[0] + jnp.sum(g[1:] + jnp.swapaxes(g[1:], 1, 2), axis=0)
 
 
+def _gram_of_tables_by_sort(merged: list) -> jax.Array:
+    """The summed Gram of several tables' merged rows by one sort: each table's indices
+    offset past the previous tables' rows and its rows zero-padded to the widest (zero
+    columns add nothing), so that the tables are one table to `_gram_by_sort`."""
+    offset, idx, rows = 0, [], []
+    width = max(r.shape[2] for (_, r), _ in merged)
+    for (i, r), num_rows in merged:
+        idx.append(i.astype(jnp.int32) + offset)
+        rows.append(jnp.pad(r, ((0, 0), (0, 0), (0, width - r.shape[2]))))
+        offset += num_rows
+    return _gram_by_sort(jnp.concatenate(idx, axis=1), jnp.concatenate(rows, axis=1))
+
+
+def _sparse_grams_sum(tables: list) -> jax.Array:
+    """`[T, T]` sum of the Grams of `SparseRows` leaves, from their rows (duplicates merged
+    per task first): on GPUs by one sort over all of them (while their rows number fewer
+    than 2^31 together), elsewhere by binary search per table (`lax.platform_dependent`:
+    the lowered program holds one of the two). No table is ever built."""
+    merged = [merge_rows(x) for x in tables]
+    sizes = [x.num_rows for x in tables]
+
+    def by_search(*args):
+        return sum(_gram_by_search(i, r) for i, r in zip(args[::2], args[1::2]))
+
+    def by_sort(*args):
+        pairs = list(zip(args[::2], args[1::2]))
+        if len(pairs) == 1 or sum(sizes) > 2 ** 31 - 1:  # offset int32 indices would overflow
+            return sum(_gram_by_sort(i, r) for i, r in pairs)
+        return _gram_of_tables_by_sort([((i, r), n) for (i, r), n in zip(pairs, sizes)])
+
+    flat = [a for pair in merged for a in pair]
+    return jax.lax.platform_dependent(*flat, cuda=by_sort, rocm=by_sort, default=by_search)
+
+
 def _sparse_gram(x: SparseRows) -> jax.Array:
-    """`[T, T]` Gram of `SparseRows` from the rows (duplicates merged per task first):
-    by sort on GPUs, by binary search elsewhere (`lax.platform_dependent`: the lowered
-    program holds one of the two). No table is ever built."""
-    idx, rows = merge_rows(x)  # sorted per task
-    return jax.lax.platform_dependent(idx, rows, cuda=_gram_by_sort, rocm=_gram_by_sort,
-                                      default=_gram_by_search)
+    """`[T, T]` Gram of one `SparseRows` leaf (see `_sparse_grams_sum`)."""
+    return _sparse_grams_sum([x])
 
 
 def leaf_gram(x: Any) -> jax.Array:
@@ -367,14 +397,19 @@ def global_gram(stacked_leaves: list) -> jax.Array:
 
     The dense leaves of at most `BATCH_MAX_ELEMENTS` elements per task go in one
     reduction (`_chunked`: one kernel, where a GEMM per parameter is a launch each on a
-    GPU); larger leaves and `SparseRows` get their own `leaf_gram`."""
-    small, grams = [], []
+    GPU); larger leaves get their own `leaf_gram`, and the `SparseRows` leaves one sort
+    together on GPUs (`_sparse_grams_sum`)."""
+    small, tables, grams = [], [], []
     for x in stacked_leaves:
-        if x is not None:
+        if isinstance(x, SparseRows):
+            tables.append(x)
+        elif x is not None:
             if _batched(x):
                 small.append(x)
             else:
                 grams.append(leaf_gram(x))
+    if tables:
+        grams.append(_sparse_grams_sum(tables))
     if len(small) == 1:
         grams.append(leaf_gram(small[0]))
     elif small:

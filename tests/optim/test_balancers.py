@@ -347,6 +347,17 @@ def test_sparse_gram_by_sort_equals_by_search():
         got = jax.jit(fn)(x.indices, x.rows)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=fn.__name__)
 
+    # Several tables in one sort (GPUs): indices offset past the previous tables, rows
+    # zero-padded to the widest; the sum of the tables' Grams.
+    from ktx.optim.task_gradients import _gram_of_tables_by_sort, merge_rows
+
+    other = ko.SparseRows(jnp.asarray(rng.integers(0, 4, (t, 5)), jnp.int32),
+                          jnp.asarray(rng.normal(size=(t, 5, 2)), jnp.float32), num_rows=4)
+    dense_other = np.asarray(ko.task_gradients.leaf_dense(other), np.float64).reshape(t, -1)
+    got = _gram_of_tables_by_sort(
+        [(merge_rows(x), num_rows), (merge_rows(other), 4)])
+    np.testing.assert_allclose(got, want + dense_other @ dense_other.T, rtol=1e-5, atol=1e-6)
+
 
 def test_batched_norms_and_gram_equal_the_per_leaf_ones(monkeypatch):
     # `sq_norms` and `global_gram` reduce the dense leaves together (chunked, padded,
