@@ -42,10 +42,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from per_task_grads import (  # noqa: E402  (beside this script)
     T,
-    _balancer,
-    _optimizer,
     _recsys_setup,
     _t5_setup,
+    trainer,
 )
 
 import ktx.optim as ko  # noqa: E402
@@ -192,13 +191,8 @@ def gpu_devices(target: str = H200_TARGET) -> list:
 
 def compiled_text(model, batch, counts, balancer, sparse, devices) -> str:
     """The optimized HLO of the step `per_task_grads.trainer_path` times (no diagnostics)."""
-    from ktx.training.trainer import Trainer
-
     mesh = partitioning.create_mesh(1, devices=devices)
-    tr = Trainer(model, _optimizer(balancer), mesh=mesh,
-                 balancer=None if balancer is None else _balancer(balancer),
-                 shared=getattr(model, "shared_param_patterns", None),
-                 sparse_tables=sparse if balancer is not None else None, diagnostics_period=100)
+    tr = trainer(model, balancer, sparse, mesh)
     data = partitioning.data_sharding(mesh)
     spec = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=data)
             for k, v in batch.items()}

@@ -188,6 +188,18 @@ def _optimizer(name):
     return optax.scale_by_learning_rate(1e-3) if name == "mtadam" else optax.adam(1e-3)
 
 
+def trainer(model, balancer, sparse=None, mesh=None):
+    """The `Trainer` whose step the trainer path times, plain (`balancer=None`) or with a
+    balancer of `ko.BALANCERS` by name (`gpu_launches.py` compiles the same step)."""
+    from ktx.training.trainer import Trainer
+
+    return Trainer(model, _optimizer(balancer), mesh=mesh,
+                   balancer=None if balancer is None else _balancer(balancer),
+                   shared=getattr(model, "shared_param_patterns", None),
+                   sparse_tables=sparse if balancer is not None else None,
+                   diagnostics_period=100)
+
+
 def _bytes_accessed(tr, state, host_batch, counts):
     """XLA's estimate of the bytes the compiled step reads and writes (load-independent;
     an in-place scatter counts its whole operand), for the step the timed loop runs: the
@@ -216,17 +228,12 @@ def _op_counts(tr, state, host_batch, counts):
 def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None, cost=False,
                  ops=False):
     """Interleaved timing of `Trainer.train_step`, plain and with every balancer."""
-    from ktx.training.trainer import Trainer
-
     host_batch = jax.device_get(batch)
     names = list(balancers or ko.BALANCERS)
     configs = {"plain": None, **{name: name for name in names}}
     runs, nbytes, op_counts = {}, {}, {}
     for name, balancer in configs.items():
-        tr = Trainer(model, _optimizer(balancer), balancer=None if balancer is None else _balancer(balancer),
-                     shared=getattr(model, "shared_param_patterns", None),
-                     sparse_tables=sparse if balancer is not None else None,
-                     diagnostics_period=100)
+        tr = trainer(model, balancer, sparse)
         state = tr.init_state(jax.random.key(0), host_batch)
         state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)  # compile
         jax.block_until_ready(m["loss"])
