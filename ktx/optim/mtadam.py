@@ -73,6 +73,7 @@ from ktx.optim.task_gradients import (
     sq_norms,
     task_max,
     task_sum,
+    with_merged_rows,
 )
 
 __all__ = ["MTAdamState", "mtadam", "ANCHOR_THRESHOLD"]
@@ -182,6 +183,8 @@ def mtadam(
     def update_fn(updates, state, params=None, *, task_present=None, **extra):
         del extra
         stacked, summed, treedef = flatten_task_gradients(updates, "mtadam")
+        # `nu` takes h^2 of each task's whole row: tables' duplicate rows merged once here.
+        stacked = [with_merged_rows(s) if isinstance(s, SparseRows) else s for s in stacked]
         t = num_tasks_of(stacked)
         check_state_tasks("mtadam", state.seen.shape[0], t)
         check_task_index(anchor, t, "anchor", "mtadam")

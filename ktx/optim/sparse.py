@@ -6,9 +6,10 @@ A task's gradient of a gathered table touches only the rows it looked up. Instea
 rows*: the table is held constant, and every lookup `table[idx]` of a selected table is
 intercept-ed (`flax.linen.intercept_methods`) and returned as `table[idx] + delta`,
 with `delta` a zero input of the lookup's shape. The gradient with respect to `delta` is
-each occurrence's row gradient; duplicate indices are merged per task (sort + segment
-sum), giving `SparseRows` whose norms equal the dense per-task gradients' norms and
-which a balancer scatters once into the table's update.
+each occurrence's row gradient: `SparseRows` with one row per lookup (an index may
+repeat inside a task; the norms and Grams of `ktx.optim.task_gradients` see each index
+once, merging or pairing the duplicates only where they are needed), which a balancer
+scatters once into the table's update.
 
 A selected table must only be used through its module's `__call__`; `attend` (tied
 output embeddings) raises, since its gradient is dense.
@@ -27,27 +28,7 @@ import jax.numpy as jnp
 from ktx.optim.selection import param_names
 from ktx.optim.task_gradients import SparseRows
 
-__all__ = ["SparseLookups", "merge_duplicate_rows"]
-
-
-def merge_duplicate_rows(indices: jax.Array, rows: jax.Array, num_rows: int
-                         ) -> tuple[jax.Array, jax.Array]:
-    """Per task, sums rows with equal indices: `([T, n], [T, n, d]) -> same shapes`.
-
-    The merged rows come first (sorted by index); the rest are zero rows at index
-    `num_rows - 1`, so each task's indices stay sorted (`SparseRows.sorted_unique`).
-    """
-
-    def one(idx, r):
-        order = jnp.argsort(idx)
-        s = idx[order]
-        first = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
-        seg = jnp.cumsum(first) - 1
-        merged = jax.ops.segment_sum(r[order], seg, num_segments=idx.shape[0])
-        uniq = jnp.full_like(idx, num_rows - 1).at[seg].set(s)
-        return uniq, merged
-
-    return jax.vmap(one)(indices, rows)
+__all__ = ["SparseLookups"]
 
 
 class SparseLookups:
@@ -163,9 +144,7 @@ class SparseLookups:
                     continue
                 idx = jnp.concatenate(idx_l, axis=1).astype(jnp.int32)
                 rows = jnp.concatenate(rows_l, axis=1)
-                idx, rows = merge_duplicate_rows(idx, rows, leaf.shape[0])
-                out.append(SparseRows(idx, rows.astype(leaf.dtype), num_rows=leaf.shape[0],
-                                      sorted_unique=True))
+                out.append(SparseRows(idx, rows.astype(leaf.dtype), num_rows=leaf.shape[0]))
             else:
                 out.append(next(it_d))
         return self.treedef.unflatten(out)

@@ -18,10 +18,14 @@ misread), so a tree that is not a `TaskGradients` is a TypeError.
 `summed`), so it crosses `jax.jit`, `lax.cond` and `jax.tree.map` like any gradient tree.
 
 `SparseRows` holds a table's per-task gradient as rows: `indices [T, n]` and
-`rows [T, n, dim]`, with duplicate indices already merged inside each task (merged
-duplicates leave zero rows behind), so each task's gradient norm is the norm of its
-rows and `table_grad = sum_t scatter(indices[t], w_t * rows[t])` needs one scatter and
-never a `[T, vocab, dim]` tensor.
+`rows [T, n, dim]`, task t's gradient being `scatter_add(indices[t], rows[t])`; an index
+may repeat inside a task (one row per lookup, as the engine gives them). So
+`table_grad = sum_t scatter(indices[t], w_t * rows[t])` needs one scatter and never a
+`[T, vocab, dim]` tensor. Norms and inner products must see each index once: the
+functions below either merge a task's duplicates (sort + segment sum, `merge_rows`) or,
+on GPUs and for few rows, take every pair of rows with equal indices (one `[n, n]` product:
+a couple of kernels where the merge is several). `sorted_unique=True` says the rows are
+merged already.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ __all__ = [
     "sq_norms",
     "leaf_gram",
     "merge_rows",
+    "with_merged_rows",
+    "sparse_sq_norms",
     "leaf_combine",
     "leaf_dense",
     "num_tasks_of",
@@ -61,8 +67,7 @@ class SparseRows:
     rows: jax.Array  # [T, n, dim]
     num_rows: int = flax.struct.field(pytree_node=False)
     # Each task's indices ascending, duplicates merged, free slots (zero rows) last at
-    # index num_rows - 1: what the engine builds (`ktx.optim.sparse`); `merge_rows` then
-    # has nothing left to do.
+    # index num_rows - 1 (what `merge_rows` gives): nothing left to merge.
     sorted_unique: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
@@ -174,8 +179,7 @@ def task_max(x: jax.Array) -> jax.Array:
 def leaf_sq_norms(x: Any) -> jax.Array:
     """`[T]` squared L2 norm of each task's gradient of one parameter (float32)."""
     if isinstance(x, SparseRows):
-        r = x.rows.astype(jnp.float32)
-        return jnp.sum(r * r, axis=tuple(range(1, r.ndim)))
+        return sparse_sq_norms([x])[0]
     x = x.astype(jnp.float32)
     return jnp.sum(x * x, axis=tuple(range(1, x.ndim)))
 
@@ -218,9 +222,13 @@ def sq_norms(leaves: list) -> list:
     `BATCH_MAX_ELEMENTS` elements per task are reduced as one `[T, chunks, NORM_CHUNK]`
     array (`_chunked`), then each leaf's chunk sums are added: a couple of kernels for a
     whole model, where one reduction per parameter is a launch each on a GPU. A larger
-    leaf, whose reduction is long enough to pay for its launch, and `SparseRows` are
-    reduced on their own."""
-    out = [None if x is None or _batched(x) else leaf_sq_norms(x) for x in leaves]
+    leaf, whose reduction is long enough to pay for its launch, is reduced on its own, and
+    the `SparseRows` leaves together (`sparse_sq_norms`)."""
+    out = [None if x is None or _batched(x) or isinstance(x, SparseRows) else leaf_sq_norms(x)
+           for x in leaves]
+    sparse = [i for i, x in enumerate(leaves) if isinstance(x, SparseRows)]
+    for i, sq in zip(sparse, sparse_sq_norms([leaves[i] for i in sparse]) if sparse else []):
+        out[i] = sq
     dense = [i for i, x in enumerate(leaves) if x is not None and _batched(x)]
     if len(dense) < 2:
         for i in dense:
@@ -248,12 +256,12 @@ def leaf_dense(x: Any) -> jax.Array:
 def merge_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
     """Per task, sorted unique indices `[T, n]` and their summed rows `[T, n, dim]` (float32).
 
-    Duplicate indices of a task are added together; the free slots at the end hold the
-    largest index of the dtype (after every real index) and zero rows. Never builds a
-    table-sized array.
+    Duplicate indices of a task are added together; the free slots at the end hold index
+    `num_rows - 1` (sorted after, or equal to and after, every real index) and zero rows.
+    Never builds a table-sized array.
     """
     rows = x.rows.astype(jnp.float32)
-    if x.sorted_unique:  # already so (free slots at num_rows - 1: sorted too)
+    if x.sorted_unique:
         return x.indices, rows
     n = x.indices.shape[1]
 
@@ -263,10 +271,107 @@ def merge_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
         first = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
         seg = jnp.cumsum(first) - 1
         merged = jax.ops.segment_sum(r[order], seg, num_segments=n)
-        uniq = jnp.full((n,), jnp.iinfo(idx.dtype).max, idx.dtype).at[seg].set(s)
+        uniq = jnp.full((n,), x.num_rows - 1, idx.dtype).at[seg].set(s)
         return uniq, merged
 
     return jax.vmap(one)(x.indices, rows)
+
+
+def with_merged_rows(x: SparseRows) -> SparseRows:
+    """`x` with each task's duplicate indices merged (`merge_rows`)."""
+    idx, rows = merge_rows(x)
+    return SparseRows(idx, rows.astype(x.dtype), num_rows=x.num_rows, sorted_unique=True)
+
+
+# On GPUs, while all tables' rows of all tasks number at most this many, norms and Grams
+# of `SparseRows` take every pair of rows of equal index (`_pairwise_*`: one
+# `[rows, rows]` product, 64 MiB at 4,096 rows, and one masked reduction) instead of a
+# merge (sort, scan, gather, scatters: a kernel each). On a CPU the merge is the faster
+# from a few hundred rows per task on (1.7 against 0.6 ms for the norms at 1,024).
+PAIRWISE_MAX_ROWS = 4096
+
+
+def _joined(tables: list) -> tuple[jax.Array, jax.Array, list[int]] | None:
+    """Several tables' rows as one table's: per task, the indices offset past the previous
+    tables' rows and the rows zero-padded to the widest (zero columns add nothing), then
+    concatenated; with the row offset where each table starts (one more at the end).
+    None when the offset indices would overflow int32."""
+    if sum(x.num_rows for x in tables) > 2 ** 31 - 1:
+        return None
+    width = max(x.rows.shape[2] for x in tables)
+    offset, idx, rows, bounds = 0, [], [], [0]
+    for x in tables:
+        idx.append(x.indices.astype(jnp.int32) + offset)
+        r = x.rows.astype(jnp.float32)
+        rows.append(jnp.pad(r, ((0, 0), (0, 0), (0, width - r.shape[2]))))
+        offset += x.num_rows
+        bounds.append(bounds[-1] + r.shape[1])
+    return jnp.concatenate(idx, axis=1), jnp.concatenate(rows, axis=1), bounds
+
+
+def _pairwise_ok(tables: list) -> bool:
+    return sum(x.rows.shape[0] * x.rows.shape[1] for x in tables) <= PAIRWISE_MAX_ROWS
+
+
+def _pairwise_sq_norms(idx: jax.Array, rows: jax.Array) -> jax.Array:
+    """`[T, n]`: for each row, the sum of its inner products with the rows of the same task
+    and index (itself included); a task's squared norm is the sum of its entries."""
+    g = jnp.einsum("tnd,tmd->tnm", rows, rows, precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(jnp.where(idx[:, :, None] == idx[:, None, :], g, 0.0), axis=2)
+
+
+def _pairwise_gram(idx: jax.Array, rows: jax.Array) -> jax.Array:
+    """`[T, T]` Gram from every pair of rows of equal index, whatever the duplicates."""
+    t, n, d = rows.shape
+    flat, i = rows.reshape(t * n, d), idx.reshape(-1)
+    g = jnp.dot(flat, flat.T, precision=jax.lax.Precision.HIGHEST)
+    return jnp.sum(jnp.where(i[:, None] == i[None, :], g, 0.0).reshape(t, n, t, n), axis=(1, 3))
+
+
+def _args(tables: list) -> list:
+    return [a for x in tables for a in (x.indices, x.rows)]
+
+
+def _rebuild(tables: list, args: tuple) -> list:
+    return [SparseRows(i, r, num_rows=x.num_rows, sorted_unique=x.sorted_unique)
+            for x, i, r in zip(tables, args[::2], args[1::2])]
+
+
+def sparse_sq_norms(tables: list) -> list:
+    """`[T]` squared norm of each task's gradient of each `SparseRows` table (float32).
+
+    Merged rows are summed as they are. Rows that may repeat an index are merged first,
+    or on GPUs, while few (`PAIRWISE_MAX_ROWS`), reduced pairwise, all tables at once
+    (`lax.platform_dependent`: the lowered program holds one of the two)."""
+    out: list = [None] * len(tables)
+    for k, x in enumerate(tables):
+        if x.sorted_unique:
+            r = x.rows.astype(jnp.float32)
+            out[k] = jnp.sum(r * r, axis=(1, 2))
+    todo = [k for k, x in enumerate(tables) if not x.sorted_unique]
+    if not todo:
+        return out
+    group = [tables[k] for k in todo]
+
+    def by_merge(*args):
+        return [jnp.sum(r * r, axis=(1, 2)) for r in (merge_rows(x)[1] for x in _rebuild(group, args))]
+
+    def by_pairs(*args):
+        joined = _joined(_rebuild(group, args))
+        if joined is None:
+            return by_merge(*args)
+        idx, rows, bounds = joined
+        per_row = _pairwise_sq_norms(idx, rows)
+        return [jnp.sum(per_row[:, a:b], axis=1) for a, b in zip(bounds, bounds[1:])]
+
+    if _pairwise_ok(group):
+        sq = jax.lax.platform_dependent(*_args(group), cuda=by_pairs, rocm=by_pairs,
+                                        default=by_merge)
+    else:
+        sq = by_merge(*_args(group))
+    for k, v in zip(todo, sq):
+        out[k] = v
+    return out
 
 
 def _gram_by_search(idx: jax.Array, rows: jax.Array) -> jax.Array:
@@ -333,24 +438,30 @@ def _gram_of_tables_by_sort(merged: list) -> jax.Array:
 
 
 def _sparse_grams_sum(tables: list) -> jax.Array:
-    """`[T, T]` sum of the Grams of `SparseRows` leaves, from their rows (duplicates merged
-    per task first): on GPUs by one sort over all of them (while their rows number fewer
-    than 2^31 together), elsewhere by binary search per table (`lax.platform_dependent`:
-    the lowered program holds one of the two). No table is ever built."""
-    merged = [merge_rows(x) for x in tables]
+    """`[T, T]` sum of the Grams of `SparseRows` leaves, from their rows: on GPUs pairwise
+    while few (`PAIRWISE_MAX_ROWS`), else by one sort over all of them (while their rows
+    number fewer than 2^31 together); elsewhere merged per task, then by binary search
+    per table (`lax.platform_dependent`: the lowered program holds one of the two). No
+    table is ever built."""
     sizes = [x.num_rows for x in tables]
 
     def by_search(*args):
-        return sum(_gram_by_search(i, r) for i, r in zip(args[::2], args[1::2]))
+        return sum(_gram_by_search(*merge_rows(x)) for x in _rebuild(tables, args))
 
     def by_sort(*args):
-        pairs = list(zip(args[::2], args[1::2]))
+        pairs = [merge_rows(x) for x in _rebuild(tables, args)]
         if len(pairs) == 1 or sum(sizes) > 2 ** 31 - 1:  # offset int32 indices would overflow
             return sum(_gram_by_sort(i, r) for i, r in pairs)
-        return _gram_of_tables_by_sort([((i, r), n) for (i, r), n in zip(pairs, sizes)])
+        return _gram_of_tables_by_sort([(p, n) for p, n in zip(pairs, sizes)])
 
-    flat = [a for pair in merged for a in pair]
-    return jax.lax.platform_dependent(*flat, cuda=by_sort, rocm=by_sort, default=by_search)
+    def by_pairs(*args):
+        joined = _joined(_rebuild(tables, args))
+        if joined is None:
+            return by_sort(*args)
+        return _pairwise_gram(*joined[:2])
+
+    gpu = by_pairs if _pairwise_ok(tables) else by_sort
+    return jax.lax.platform_dependent(*_args(tables), cuda=gpu, rocm=gpu, default=by_search)
 
 
 def _sparse_gram(x: SparseRows) -> jax.Array:
@@ -361,8 +472,8 @@ def _sparse_gram(x: SparseRows) -> jax.Array:
 def leaf_gram(x: Any) -> jax.Array:
     """`[T, T]` inner products between tasks' gradients of one parameter (float32).
 
-    For `SparseRows` the products are taken over the rows (duplicates merged, then the
-    union of indexed rows): no `[num_rows, dim]` table is ever built.
+    For `SparseRows` the products are taken over the rows (`_sparse_grams_sum`): no
+    `[num_rows, dim]` table is ever built.
     """
     if isinstance(x, SparseRows):
         return _sparse_gram(x)

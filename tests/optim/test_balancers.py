@@ -359,6 +359,42 @@ def test_sparse_gram_by_sort_equals_by_search():
     np.testing.assert_allclose(got, want + dense_other @ dense_other.T, rtol=1e-5, atol=1e-6)
 
 
+def test_sparse_pairwise_forms_equal_the_dense_ones():
+    # The GPU lowering of `sparse_sq_norms` and of the sparse Gram while rows are few
+    # (`lax.platform_dependent`; a CPU runs the merge): every pair of rows of equal index,
+    # on rows with duplicates inside each task (one row per lookup, as the engine gives
+    # them), two tables of different widths joined into one, a task with only zero rows.
+    from ktx.optim import task_gradients as tg
+
+    rng = np.random.default_rng(1)
+    t = 3
+    a = ko.SparseRows(jnp.asarray(rng.integers(0, 5, (t, 9)), jnp.int32),
+                      jnp.asarray(rng.normal(size=(t, 9, 4)), jnp.float32), num_rows=5)
+    b_rows = rng.normal(size=(t, 6, 2)).astype(np.float32)
+    b_rows[2] = 0.0
+    b = ko.SparseRows(jnp.asarray(rng.integers(0, 3, (t, 6)), jnp.int32), jnp.asarray(b_rows),
+                      num_rows=3)
+    for x in (a, b):
+        assert any(len(set(np.asarray(x.indices[k]).tolist())) < x.indices.shape[1]
+                   for k in range(t))
+    dense = [np.asarray(tg.leaf_dense(x), np.float64).reshape(t, -1) for x in (a, b)]
+    idx, rows, bounds = tg._joined([a, b])
+    assert bounds == [0, 9, 15] and rows.shape == (t, 15, 4)
+    per_row = tg._pairwise_sq_norms(idx, rows)
+    for k, d in enumerate(dense):
+        np.testing.assert_allclose(per_row[:, bounds[k]:bounds[k + 1]].sum(1), (d * d).sum(1),
+                                   rtol=1e-5)
+    want = sum(d @ d.T for d in dense)
+    np.testing.assert_allclose(tg._pairwise_gram(idx, rows), want, rtol=1e-5, atol=1e-6)
+    # The entry points as this machine lowers them (the merge), and merged rows pairwise.
+    np.testing.assert_allclose(tg.global_gram([a, None, b]), want, rtol=1e-5, atol=1e-6)
+    for got, d in zip(tg.sparse_sq_norms([a, b]), dense):
+        np.testing.assert_allclose(got, (d * d).sum(1), rtol=1e-5)
+    m = tg.with_merged_rows(a)
+    np.testing.assert_allclose(tg._pairwise_gram(m.indices, m.rows.astype(jnp.float32)),
+                               dense[0] @ dense[0].T, rtol=1e-5, atol=1e-6)
+
+
 def test_batched_norms_and_gram_equal_the_per_leaf_ones(monkeypatch):
     # `sq_norms` and `global_gram` reduce the dense leaves together (chunked, padded,
     # concatenated); `leaf_combine` writes out the weighted sum up to 16 tasks. Each equals

@@ -118,18 +118,24 @@ def test_sparse_tables_match_dense(counts, method):
     np.testing.assert_allclose(tg.stacked["shared"]["kernel"], ref["shared"]["kernel"], rtol=2e-5,
                                atol=1e-6)
     np.testing.assert_allclose(losses, model.task_losses(params, batch)[0], rtol=1e-5)
-    # Each task's rows come sorted and merged (free slots last, at the last row), so the
-    # Gram skips the sort; it equals the dense one, and the one that sorts again.
-    from ktx.optim.task_gradients import leaf_gram
+    # One row per lookup (duplicates inside a task kept); merged, each task's rows come
+    # sorted and unique (free slots last, at the last row). The Gram from either equals
+    # the dense one.
+    from ktx.optim.task_gradients import leaf_gram, with_merged_rows
 
-    assert table.sorted_unique
-    idx = np.asarray(table.indices)
+    assert not table.sorted_unique
+    merged = with_merged_rows(table)
+    assert merged.sorted_unique
+    idx = np.asarray(merged.indices)
     assert (np.diff(idx, axis=1) >= 0).all() and idx.max() < 7
     for t in range(3):
-        real = idx[t][np.abs(np.asarray(table.rows[t])).sum(-1) > 0]
+        real = idx[t][np.abs(np.asarray(merged.rows[t])).sum(-1) > 0]
         assert len(set(real.tolist())) == len(real)
+        assert len(set(np.asarray(table.indices[t]).tolist())) < table.indices.shape[1]
+    np.testing.assert_allclose(leaf_sq_norms(merged), leaf_sq_norms(table), rtol=1e-5)
     np.testing.assert_allclose(leaf_gram(table), leaf_gram(ref["embed"]["embedding"]), rtol=2e-5,
                                atol=1e-7)
+    table = merged
     resorted = SparseRows(table.indices, table.rows, num_rows=table.num_rows)
     np.testing.assert_allclose(leaf_gram(table), leaf_gram(resorted), rtol=1e-6, atol=1e-7)
 
