@@ -67,13 +67,11 @@ from ktx.optim.task_gradients import (
     SparseRows,
     flatten_task_gradients,
     leaf_dense,
-    leaf_sq_norms,
-    nonzero_tasks,
     num_tasks_of,
     sq_norms,
     task_max,
     task_sum,
-    with_merged_rows,
+    unique_rows,
 )
 
 __all__ = ["MTAdamState", "mtadam", "ANCHOR_THRESHOLD"]
@@ -183,8 +181,8 @@ def mtadam(
     def update_fn(updates, state, params=None, *, task_present=None, **extra):
         del extra
         stacked, summed, treedef = flatten_task_gradients(updates, "mtadam")
-        # `nu` takes h^2 of each task's whole row: tables' duplicate rows merged once here.
-        stacked = [with_merged_rows(s) if isinstance(s, SparseRows) else s for s in stacked]
+        # `nu` takes h^2 of each task's whole row: one row per task and index, here.
+        stacked = [unique_rows(s) if isinstance(s, SparseRows) else s for s in stacked]
         t = num_tasks_of(stacked)
         check_state_tasks("mtadam", state.seen.shape[0], t)
         check_task_index(anchor, t, "anchor", "mtadam")
@@ -196,7 +194,14 @@ def mtadam(
             p_leaves = jax.tree.leaves(nn.meta.unbox(params))
         else:
             p_leaves = [None] * len(stacked)
-        present = present_tasks(task_present, t, "mtadam", nonzero_tasks(stacked))
+        # Every dense leaf's per-task squared norms at once (one reduction, not one each);
+        # a table's, the sum of its (unique) rows' squares.
+        all_sq = [jnp.sum(jnp.square(s.rows.astype(jnp.float32)), axis=(1, 2))
+                  if isinstance(s, SparseRows) else sq
+                  for s, sq in zip(stacked, sq_norms(
+                      [None if isinstance(s, SparseRows) else s for s in stacked]))]
+        known = [sq for sq in all_sq if sq is not None]
+        present = present_tasks(task_present, t, "mtadam", sum(known[1:], known[0]) > 0)
         first = state.seen == 0
         count = state.count + 1
         bc1 = _bias_correction(b1, count)
@@ -221,14 +226,12 @@ def mtadam(
 
         leaves = [jax.tree.leaves(x) for x in
                   (state.norms, state.mu, state.nu, state.nu_max, state.row_step)]
-        # Every dense leaf's per-task squared norms at once (one reduction, not one each).
-        dense_sq = sq_norms([None if isinstance(s, SparseRows) else s for s in stacked])
         out, new = [], [[] for _ in leaves]
-        for s, sq, u, p, n, m, v, vmax, last in zip(stacked, dense_sq, summed, p_leaves, *leaves):
+        for s, sq, u, p, n, m, v, vmax, last in zip(stacked, all_sq, summed, p_leaves, *leaves):
             nd = m.ndim
             if isinstance(s, SparseRows) and not decay:
-                d, row_state = _sparse_rows_step(s, n, m, v, vmax, last, count, task_scales,
-                                                 direction, b1, b2)
+                d, row_state = _sparse_rows_step(s, sq, n, m, v, vmax, last, count,
+                                                 task_scales, direction, b1, b2)
                 out.append(d)
                 for lst, x in zip(new, row_state):
                     lst.append(x)
@@ -246,8 +249,6 @@ def mtadam(
                 new_vmax = new_v0
             else:
                 g = leaf_dense(s).astype(jnp.float32)
-                if sq is None:  # SparseRows densified (weight decay touches every row)
-                    sq = jnp.sum(jnp.square(g).reshape(t, -1), axis=1)
                 new_n, scale = task_scales(sq, n)
                 shape = (t,) + (1,) * nd
                 h = scale.reshape(shape) * g
@@ -274,8 +275,11 @@ def mtadam(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _sparse_rows_step(x: SparseRows, n, m, v, vmax, last, count, task_scales, direction, b1, b2):
-    """One exact MTAdam step of a table from its looked-up rows (no weight decay).
+def _sparse_rows_step(x: SparseRows, sq, n, m, v, vmax, last, count, task_scales, direction,
+                      b1, b2):
+    """One exact MTAdam step of a table from its looked-up rows (no weight decay): `x`
+    holds one non-zero row per task and index at most (`unique_rows`), `sq` their `[T]`
+    squared norms.
 
     The looked-up rows (every task's, duplicates across tasks allowed) are brought to
     step `count` (`b^(count - row_step)`, all tasks of a row at once), the tasks' `h` rows
@@ -283,7 +287,7 @@ def _sparse_rows_step(x: SparseRows, n, m, v, vmax, last, count, task_scales, di
     recomputed for those rows; every other row only decays, through its `row_step`."""
     t, k, dim = x.rows.shape
     rows = x.rows.astype(jnp.float32)
-    new_n, scale = task_scales(leaf_sq_norms(x), n)
+    new_n, scale = task_scales(sq, n)
     h = scale[:, None, None] * rows  # [T, k, dim]
     idx = x.indices.reshape(-1)  # [T * k]
     age = count - last[idx]

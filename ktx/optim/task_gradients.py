@@ -47,6 +47,7 @@ __all__ = [
     "leaf_gram",
     "merge_rows",
     "with_merged_rows",
+    "unique_rows",
     "sparse_sq_norms",
     "leaf_combine",
     "leaf_dense",
@@ -281,6 +282,37 @@ def with_merged_rows(x: SparseRows) -> SparseRows:
     """`x` with each task's duplicate indices merged (`merge_rows`)."""
     idx, rows = merge_rows(x)
     return SparseRows(idx, rows.astype(x.dtype), num_rows=x.num_rows, sorted_unique=True)
+
+
+def unique_rows(x: SparseRows) -> SparseRows:
+    """`x` with at most one non-zero row per task and index, which holds the sum of that
+    index's rows: so each task's squared norm is the sum of its squared rows, and a
+    scatter of `rows ** 2` adds each index's square once. Merged (`merge_rows`), or on
+    GPUs while few rows (`PAIRWISE_MAX_ROWS`), by one `[T, n, n]` mask product: each
+    row gets the sum of its index's rows, and all but the first of them are zeroed,
+    indices unchanged. Since which form is lowered is not static, the result is not
+    marked `sorted_unique`."""
+    if x.sorted_unique:
+        return x
+
+    def by_merge(idx, rows):
+        return merge_rows(SparseRows(idx, rows, num_rows=x.num_rows))
+
+    def by_mask(idx, rows):
+        eq = idx[:, :, None] == idx[:, None, :]  # [T, n, n]
+        summed = jnp.einsum("tnm,tmd->tnd", eq.astype(jnp.float32), rows.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+        n = idx.shape[1]
+        earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # [n (this), n (other)]
+        first = ~jnp.any(eq & earlier, axis=2)
+        return idx, jnp.where(first[..., None], summed, 0.0)
+
+    if _pairwise_ok([x]):
+        idx, rows = jax.lax.platform_dependent(x.indices, x.rows, cuda=by_mask, rocm=by_mask,
+                                               default=by_merge)
+    else:
+        idx, rows = by_merge(x.indices, x.rows)
+    return SparseRows(idx, rows.astype(x.dtype), num_rows=x.num_rows)
 
 
 # On GPUs, while all tables' rows of all tasks number at most this many, norms and Grams

@@ -359,7 +359,7 @@ def test_sparse_gram_by_sort_equals_by_search():
     np.testing.assert_allclose(got, want + dense_other @ dense_other.T, rtol=1e-5, atol=1e-6)
 
 
-def test_sparse_pairwise_forms_equal_the_dense_ones():
+def test_sparse_pairwise_forms_equal_the_dense_ones(monkeypatch):
     # The GPU lowering of `sparse_sq_norms` and of the sparse Gram while rows are few
     # (`lax.platform_dependent`; a CPU runs the merge): every pair of rows of equal index,
     # on rows with duplicates inside each task (one row per lookup, as the engine gives
@@ -386,10 +386,22 @@ def test_sparse_pairwise_forms_equal_the_dense_ones():
                                    rtol=1e-5)
     want = sum(d @ d.T for d in dense)
     np.testing.assert_allclose(tg._pairwise_gram(idx, rows), want, rtol=1e-5, atol=1e-6)
-    # The entry points as this machine lowers them (the merge), and merged rows pairwise.
-    np.testing.assert_allclose(tg.global_gram([a, None, b]), want, rtol=1e-5, atol=1e-6)
-    for got, d in zip(tg.sparse_sq_norms([a, b]), dense):
-        np.testing.assert_allclose(got, (d * d).sum(1), rtol=1e-5)
+    # The entry points as this machine lowers them (the merge), and as a GPU does.
+    from tests.optim.test_mtadam_sparse import gpu_forms
+
+    for forms in ("this_machine", "gpu"):
+        if forms == "gpu":
+            gpu_forms(monkeypatch)
+        np.testing.assert_allclose(tg.global_gram([a, None, b]), want, rtol=1e-5, atol=1e-6)
+        for got, d in zip(tg.sparse_sq_norms([a, b]), dense):
+            np.testing.assert_allclose(got, (d * d).sum(1), rtol=1e-5)
+        u = tg.unique_rows(a)
+        np.testing.assert_allclose(tg.leaf_dense(u), tg.leaf_dense(a), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(jnp.sum(jnp.square(u.rows), axis=(1, 2)), (dense[0] ** 2).sum(1),
+                                   rtol=1e-5)
+        for k in range(t):  # one non-zero row per index
+            live = np.asarray(u.indices[k])[np.abs(np.asarray(u.rows[k])).sum(-1) > 0]
+            assert len(set(live.tolist())) == len(live), forms
     m = tg.with_merged_rows(a)
     np.testing.assert_allclose(tg._pairwise_gram(m.indices, m.rows.astype(jnp.float32)),
                                dense[0] @ dense[0].T, rtol=1e-5, atol=1e-6)

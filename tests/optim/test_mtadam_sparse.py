@@ -6,26 +6,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import ktx.optim as ko
 from tests.optim.test_mtadam_reference import _cases, _tree
 
 
 def _rows_of(dense: np.ndarray, rng: np.random.Generator) -> ko.SparseRows:
-    """`[T, V, D]` -> SparseRows holding each task's non-zero rows (shuffled, padded
-    with zero rows at index 0, as the engine's merged rows are)."""
+    """`[T, V, D]` -> SparseRows holding each task's non-zero rows, each split in two rows
+    of the same index (as the engine gives a row looked up twice), shuffled, padded with
+    zero rows at index 0."""
     t, v, d = dense.shape
-    idx = np.zeros((t, v), np.int32)
-    rows = np.zeros((t, v, d), np.float32)
+    idx = np.zeros((t, 2 * v), np.int32)
+    rows = np.zeros((t, 2 * v, d), np.float32)
     for k in range(t):
         nz = np.flatnonzero(np.abs(dense[k]).sum(-1) > 0)
-        nz = rng.permutation(nz)
-        idx[k, :nz.size] = nz
-        rows[k, :nz.size] = dense[k, nz]
+        part = rng.normal(size=(nz.size, d)).astype(np.float32)
+        both = np.concatenate([nz, nz])
+        order = rng.permutation(both.size)
+        idx[k, :both.size] = both[order]
+        rows[k, :both.size] = np.concatenate([part, dense[k, nz] - part])[order]
     return ko.SparseRows(jnp.asarray(idx), jnp.asarray(rows), num_rows=v)
 
 
-def test_row_sparse_step_reproduces_the_authors_updates():
+def gpu_forms(monkeypatch):
+    """Lowers every `lax.platform_dependent` as a GPU would (its `cuda` branch), here."""
+
+    def pick(*args, cuda=None, default=None, **_):
+        return cuda(*args)
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", pick)
+
+
+@pytest.mark.parametrize("forms", ["this_machine", "gpu"])
+def test_row_sparse_step_reproduces_the_authors_updates(forms, monkeypatch):
+    if forms == "gpu":
+        gpu_forms(monkeypatch)
     rng = np.random.default_rng(0)
     worst = 0.0
     for n, case in enumerate(_cases()):
@@ -51,9 +67,13 @@ def test_row_sparse_step_reproduces_the_authors_updates():
     print(f"largest error (of the largest update): {worst:.2e}")
 
 
-def test_row_sparse_equals_dense_when_rows_skip_steps():
+@pytest.mark.parametrize("forms", ["this_machine", "gpu"])
+def test_row_sparse_equals_dense_when_rows_skip_steps(forms, monkeypatch):
     """Rows untouched for several steps (decayed lazily), tasks touching different and
-    shared rows, an absent task, unshared parameters beside the table."""
+    shared rows, rows looked up twice, an absent task, unshared parameters beside the
+    table; the duplicates merged as this machine lowers it, and as a GPU does."""
+    if forms == "gpu":
+        gpu_forms(monkeypatch)
     t, v, d, steps = 3, 12, 4, 9
     rng = np.random.default_rng(1)
     params = {"table": jnp.zeros((v, d)), "head": jnp.zeros((d,))}
