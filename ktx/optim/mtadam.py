@@ -263,7 +263,10 @@ def mtadam(
                 new_v = new_v.astype(v.dtype)
             out.append(direction(new_m, new_vmax, 1.0, 1.0).astype(m.dtype))
             for lst, x in zip(new, (new_n, new_m.astype(m.dtype), new_v,
-                                    new_vmax.astype(vmax.dtype), jnp.full_like(last, count))):
+                                    # = count (every row was at most at count - 1),
+                                    # written from `last` so XLA updates it in place
+                                    # instead of copying a broadcast over it.
+                                    new_vmax.astype(vmax.dtype), jnp.maximum(last, count))):
                 lst.append(x)
         sdef = jax.tree.structure(state.norms)
         new_state = MTAdamState(
