@@ -47,8 +47,8 @@ from ktx.optim.selection import param_names
 from ktx.optim.task_gradients import (
     combine_with_weights,
     flatten_task_gradients,
-    leaf_sq_norms,
     num_tasks_of,
+    sq_norms,
 )
 from ktx.optim.weighting import LossWeighting, loss_weighting, presence, task_losses_array
 
@@ -190,7 +190,8 @@ def gradnorm(
         ]
         if not chosen:
             raise ValueError(f"gradnorm: layer={layer!r} matches no shared parameter of {names}")
-        norms = jnp.sqrt(sum(leaf_sq_norms(s) for s in chosen))  # ||g_t|| on W
+        sq = sq_norms(chosen)  # all at once (one reduction for the small leaves)
+        norms = jnp.sqrt(sum(sq[1:], sq[0]))  # ||g_t|| on W
         w = state.weights
         fresh = present & ~state.has_initial
         initial = jnp.where(fresh, losses, state.initial_losses)
