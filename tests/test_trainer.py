@@ -549,3 +549,20 @@ def test_balanced_batch_not_grouped_as_its_counts_fails_before_the_step():
         tr.train_step(state, batch, jax.random.key(1), task_counts=inp.counts)
     with pytest.raises(ValueError, match="row 0 has task_id 1"):
         tr.global_batch(batch, inp.counts)
+
+
+def test_param_norm_equals_the_tree_norm_in_both_lowerings(monkeypatch):
+    # `param_norm` is reduced apart from the update on GPUs (behind an optimization
+    # barrier, the small leaves in one chunked reduction); here, and as a GPU lowers it
+    # (`platform_dependent`'s cuda branch), it is the norm of the whole tree.
+    rng = np.random.default_rng(0)
+    params = {"big": jnp.asarray(rng.normal(size=(300, 300)), jnp.float32),
+              "small": [jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(3,), (7, 5), ()]]}
+    want = float(optax.tree.norm(params))
+    np.testing.assert_allclose(jax.jit(trainer_lib._param_norm)(params), want, rtol=1e-6)
+
+    def cuda_branch(*args, cuda=None, default=None, **_):
+        return cuda(*args)
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", cuda_branch)
+    np.testing.assert_allclose(jax.jit(trainer_lib._param_norm)(params), want, rtol=1e-6)
