@@ -581,3 +581,38 @@ def test_mgda_leaves_absent_tasks_out_of_the_simplex():
     allowed = jnp.arange(12) % 3 == 1
     w = np.asarray(ko.min_norm_weights(gram, allowed=allowed))
     assert w[~np.asarray(allowed)].max() == 0.0 and abs(w.sum() - 1) < 1e-5
+
+
+def test_batched_reductions_stay_leaf_by_leaf_on_a_mesh():
+    # Concatenating leaves of different shardings makes XLA reshard them every step, so on
+    # a mesh of several devices `sq_norms` and `global_gram` reduce leaf by leaf (the same
+    # values); with no mesh they concatenate the small leaves.
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ktx import partitioning
+    from ktx.optim import task_gradients as tg
+
+    mesh = partitioning.create_mesh(2, devices=jax.devices()[:8])
+    rng = np.random.default_rng(0)
+    specs = [P(None, "model", None), P(None, None, "model"), P(None, "data", "model"), P()]
+    shapes = [(4, 8, 6), (4, 6, 8), (4, 8, 4), (4, 3)]
+    leaves = [jax.device_put(jnp.asarray(rng.normal(size=s), jnp.float32), NamedSharding(mesh, p))
+              for s, p in zip(shapes, specs)]
+
+    def both(xs):
+        return tg.sq_norms(xs), tg.global_gram(xs)
+
+    want_sq = [np.sum(np.asarray(x, np.float64) ** 2, axis=tuple(range(1, x.ndim))) for x in leaves]
+    flat = np.concatenate([np.asarray(x, np.float64).reshape(4, -1) for x in leaves], axis=1)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(both).lower(leaves).compile()
+        sq, gram = compiled(leaves)
+    text = compiled.as_text()
+    assert not re.search(r" (all-to-all|collective-permute)(-start)?\(", text)
+    for got, want in zip(sq, want_sq):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(gram, flat @ flat.T, rtol=1e-5)
+    unsharded = jax.jit(both).lower([np.asarray(x) for x in leaves]).as_text()
+    assert "concatenate" in unsharded
