@@ -290,7 +290,8 @@ def check_process_grouped(task_id: Any, counts: Sequence[int], process_index: in
 
 def _param_norm(new_params: Any) -> jax.Array:
     """`optax.tree.norm(new_params)`; on GPUs behind an optimization barrier, the small
-    leaves in one chunked reduction (`ktx.optim.task_gradients.sq_norms`). Fused into
+    leaves in one chunked reduction on one device (`ktx.optim.task_gradients.sq_norms`;
+    leaf by leaf on a mesh of several, which would reshard them). Fused into
     the parameters' update, the reduction turned each update fusion into a reduction
     whose outputs (the new parameter and the optimizer's moments) XLA:GPU copied into the
     donated state buffers, two copies per parameter; apart, it was one reduction per
