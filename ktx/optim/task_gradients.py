@@ -468,36 +468,23 @@ def _gram_by_sort(idx: jax.Array, rows: jax.Array) -> jax.Array:
     return g[0] + jnp.sum(g[1:] + jnp.swapaxes(g[1:], 1, 2), axis=0)
 
 
-def _gram_of_tables_by_sort(merged: list) -> jax.Array:
-    """The summed Gram of several tables' merged rows by one sort: each table's indices
-    offset past the previous tables' rows and its rows zero-padded to the widest (zero
-    columns add nothing), so that the tables are one table to `_gram_by_sort`."""
-    offset, idx, rows = 0, [], []
-    width = max(r.shape[2] for (_, r), _ in merged)
-    for (i, r), num_rows in merged:
-        idx.append(i.astype(jnp.int32) + offset)
-        rows.append(jnp.pad(r, ((0, 0), (0, 0), (0, width - r.shape[2]))))
-        offset += num_rows
-    return _gram_by_sort(jnp.concatenate(idx, axis=1), jnp.concatenate(rows, axis=1))
-
-
 def _sparse_grams_sum(tables: list) -> jax.Array:
     """`[T, T]` sum of the Grams of `SparseRows` leaves, from their rows: on GPUs pairwise
     while few (`PAIRWISE_MAX_ROWS`), else by one sort over all of them (while their rows
     number fewer than 2^31 together); elsewhere merged per task, then by binary search
     per table (`lax.platform_dependent`: the lowered program holds one of the two). No
     table is ever built."""
-    sizes = [x.num_rows for x in tables]
 
     def by_search(*args):
         return sum(_gram_by_search(*merge_rows(x)) for x in _rebuild(tables, args))
 
     def by_sort(*args):
-        pairs = [merge_rows(x) for x in _rebuild(tables, args)]
-        # Table by table when offset int32 indices would overflow, or on several devices.
-        if len(pairs) == 1 or sum(sizes) > 2 ** 31 - 1 or _partitioned():
-            return sum(_gram_by_sort(i, r) for i, r in pairs)
-        return _gram_of_tables_by_sort([(p, n) for p, n in zip(pairs, sizes)])
+        merged = [SparseRows(*merge_rows(x), num_rows=x.num_rows, sorted_unique=True)
+                  for x in _rebuild(tables, args)]
+        joined = _joined(merged) if len(merged) > 1 else None
+        if joined is None:  # table by table
+            return sum(_gram_by_sort(x.indices, x.rows) for x in merged)
+        return _gram_by_sort(*joined[:2])  # all tables in one sort
 
     def by_pairs(*args):
         joined = _joined(_rebuild(tables, args))

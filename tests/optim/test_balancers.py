@@ -349,13 +349,13 @@ def test_sparse_gram_by_sort_equals_by_search():
 
     # Several tables in one sort (GPUs): indices offset past the previous tables, rows
     # zero-padded to the widest; the sum of the tables' Grams.
-    from ktx.optim.task_gradients import _gram_of_tables_by_sort, merge_rows
+    from ktx.optim.task_gradients import _joined, with_merged_rows
 
     other = ko.SparseRows(jnp.asarray(rng.integers(0, 4, (t, 5)), jnp.int32),
                           jnp.asarray(rng.normal(size=(t, 5, 2)), jnp.float32), num_rows=4)
     dense_other = np.asarray(ko.task_gradients.leaf_dense(other), np.float64).reshape(t, -1)
-    got = _gram_of_tables_by_sort(
-        [(merge_rows(x), num_rows), (merge_rows(other), 4)])
+    idx_all, rows_all, _ = _joined([x, with_merged_rows(other)])
+    got = _gram_by_sort(idx_all, rows_all)
     np.testing.assert_allclose(got, want + dense_other @ dense_other.T, rtol=1e-5, atol=1e-6)
 
 
