@@ -203,3 +203,39 @@ def test_ranking_chunks_from_platform_and_memory():
     assert u == 8192 and b > 500
     # Few users: the chunk shrinks to them (a power of two).
     assert ranking.ranking_chunks(13, 5, platform="gpu", memory_bytes=1 << 30)[0] == 8
+
+
+def test_cpu_devices_ranking_side_by_side_share_the_cache_budget():
+    one = ranking.ranking_chunks(11953, 41314, bytes_per_pair=1124, platform="cpu")
+    two = ranking.ranking_chunks(11953, 41314, bytes_per_pair=1124, platform="cpu", host_devices=2)
+    # Half the users per chunk, the same item block: half the pairs (and bytes) each.
+    assert one == (64, 233) and two == (32, 233)
+    assert two[0] * two[1] * 1124 <= ranking.CPU_BLOCK_BYTES // 2
+    assert ranking.ranking_chunks(11953, 41314, platform="cpu", host_devices=64)[0] == 8
+    # An accelerator's share comes from its own memory, not the host's cache.
+    assert ranking.ranking_chunks(11953, 41314, bytes_per_pair=1124, platform="gpu",
+                                  memory_bytes=1 << 30, host_devices=2) == ranking.ranking_chunks(
+        11953, 41314, bytes_per_pair=1124, platform="gpu", memory_bytes=1 << 30)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="host_devices"):
+            ranking.ranking_chunks(13, 5, platform="cpu", host_devices=bad)
+
+
+def test_full_ranking_on_a_mesh_sizes_chunks_per_host_device():
+    """Without explicit sizes, each CPU device of a mesh in this process takes its share of
+    the chunk (here 2 devices: 32 users each, not 64), with the metrics of one device."""
+    model = RecsysModel(num_users=300, num_items=13, num_tasks=3, embed_dim=8,
+                        mlp_dims=(6, 4, 2), tower_dims=(5, 4))
+    params = _params(model)
+    rng = np.random.default_rng(1)
+    held = np.unique(np.stack([np.arange(300), rng.integers(0, 13, 300)], 1), axis=0)
+    train = np.stack([np.arange(300), (held[:, 1] + 1) % 13], 1)
+    kw = dict(num_users=300, num_items=13, heldout=held, exclude=[train], ks=(3, 5))
+    one_stats, two_stats = {}, {}
+    one = ranking.full_ranking(model, params, stats=one_stats, **kw)
+    mesh = partitioning.create_mesh(1, devices=jax.devices()[:2])
+    two = ranking.full_ranking(model, params, mesh=mesh, stats=two_stats, **kw)
+    assert one_stats["user_chunk"] == ranking.CPU_USER_CHUNK
+    assert two_stats["user_chunk"] == ranking.CPU_USER_CHUNK // 2
+    for k in one:
+        assert two[k] == pytest.approx(one[k], rel=1e-12, abs=1e-12), k
