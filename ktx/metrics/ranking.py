@@ -115,8 +115,8 @@ def _bucket(n: int, minimum: int = 64) -> int:
 # 64 users x ~233 items (15k pairs, 16 MiB at the paper network's 1,124 bytes per pair)
 # ran 1.3-1.6x faster than 256 x 256 in the same run, and 8k-pair blocks were no faster.
 # CPU devices that rank side by side on one host (a mesh of one device per core) share
-# its caches: each takes an equal share of both (32 x 233 per device of two ran at
-# 0.62 of the matmul peak against 0.57 for 64 x 233 in the same run).
+# its caches: each takes an equal share of both (per device of two, 32 x 233 ranked at
+# 0.59 of the matmul peak against 0.57 for 64 x 233 in the same run, 0.62 in another).
 # On accelerators the chunk and the block are sized from free device memory.
 CPU_BLOCK_BYTES = 16 << 20
 CPU_USER_CHUNK = 64
