@@ -11,7 +11,10 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
   the loss-weighting balancers take the step's loss-weighted shortcut, `ktx train`'s
   default, `StepOptions.weights_from_losses`), plain and with every
   balancer in `ktx.optim.BALANCERS`, timed interleaved: each repeat times `--steps`
-  steps of every configuration, in an order rotated from repeat to repeat; the ratio is
+  steps of every configuration (more where the plain step needs them to fill
+  `--repeat_seconds`, default 1 s: the recommendation step takes ~7 ms on a CPU, so a
+  block of 5 steps is a few hiccups long; `trainer_path_ms.<model>.steps_per_repeat`),
+  in an order rotated from repeat to repeat; the ratio is
   median balanced step time / median plain step time (min and median per config also
   reported; with `--ops`, `trainer_path_ms.<model>.ops`: each compiled step's instruction,
   fusion, sort and while-loop counts, what a launch-bound GPU step pays for;
@@ -226,8 +229,11 @@ def _op_counts(tr, state, host_batch, counts):
 
 
 def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None, cost=False,
-                 ops=False):
-    """Interleaved timing of `Trainer.train_step`, plain and with every balancer."""
+                 ops=False, repeat_seconds=0.0):
+    """Interleaved timing of `Trainer.train_step`, plain and with every balancer: each
+    timed block is `steps` steps, or more if the plain step needs more to fill
+    `repeat_seconds` (a block of a few milliseconds is at the mercy of one scheduling
+    hiccup; a longer one also takes the diagnostics steps in at their period)."""
     host_batch = jax.device_get(batch)
     names = list(balancers or ko.BALANCERS)
     configs = {"plain": None, **{name: name for name in names}}
@@ -242,6 +248,14 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
             nbytes[name] = _bytes_accessed(tr, state, host_batch, counts)
         if ops:
             op_counts[name] = _op_counts(tr, state, host_batch, counts)
+    if repeat_seconds > 0:
+        tr, state = runs["plain"]
+        t0 = time.perf_counter()
+        for _ in range(3):
+            state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)
+        jax.block_until_ready(m["loss"])
+        runs["plain"][1] = state
+        steps = max(steps, int(np.ceil(repeat_seconds / ((time.perf_counter() - t0) / 3))))
     times = {name: [] for name in configs}
     cpu = {name: [] for name in configs}
     order = list(configs)
@@ -257,7 +271,8 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
             cpu[name].append((time.process_time() - c0) / steps)
             runs[name][1] = state
     base = statistics.median(times["plain"])
-    out = {"plain_ms": {"median": round(base * 1e3, 3), "min": round(min(times["plain"]) * 1e3, 3)}}
+    out = {"plain_ms": {"median": round(base * 1e3, 3), "min": round(min(times["plain"]) * 1e3, 3)},
+           "steps_per_repeat": steps}
     ratios, min_ratios = {}, {}
     for name in names:
         med = statistics.median(times[name])
@@ -325,7 +340,10 @@ def _t5_setup(per_task, dropout_rate=0.1, shapes=None, lengths=(32, 8)):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed block (at least)")
+    p.add_argument("--repeat_seconds", type=float, default=1.0,
+                   help="more steps per timed block where the plain step needs them to fill "
+                        "this many seconds (0: exactly --steps)")
     p.add_argument("--repeats", type=int, default=7, help="interleaved repeats")
     p.add_argument("--recsys_rows_per_task", type=int, default=64)
     p.add_argument("--t5_rows_per_task", type=int, default=4)
@@ -343,7 +361,8 @@ def main(argv=None):
         counts = (per_task,) * T
         trainer_ratios[key], trainer_times[key] = trainer_path(
             model, batch, counts, args.steps, args.repeats, sparse,
-            [b for b in args.balancers.split(",") if b] or None, args.cost, args.ops)
+            [b for b in args.balancers.split(",") if b] or None, args.cost, args.ops,
+            args.repeat_seconds)
         print(json.dumps({"trainer_path": {key: trainer_ratios[key]}}), flush=True)
     result = {
         "benchmark": "per_task_grads",
