@@ -217,8 +217,13 @@ def main() -> None:
     ap.add_argument("--period", type=int, default=1024,
                     help="ktx train's log period (two are run; the second is timed)")
     args = ap.parse_args()
-    directory = None if args.data_dir is None else os.path.join(args.data_dir, "recsys", "tmall")
-    data = recsys_data.load_tmall_pairs(directory)
+    want = args.ranking_devices or (os.cpu_count() or 1)
+    # The ranking runs in a child process when it needs another CPU device count.
+    rank_in_child = (not args.training_only and jax.devices()[0].platform == "cpu"
+                     and want != len(jax.devices()))
+    if not (args.ranking_only and rank_in_child):  # else only the child reads the data
+        directory = None if args.data_dir is None else os.path.join(args.data_dir, "recsys", "tmall")
+        data = recsys_data.load_tmall_pairs(directory)
     out: dict = {"benchmark": "recsys_speed", "devices": str(jax.devices()[0].platform),
                  "cpus": os.cpu_count()}
     if not args.ranking_only:
@@ -251,8 +256,7 @@ def main() -> None:
             out[f"ktx_train_over_scanned_{name}"] <= 1.05 for name in balancers)
         print(f"training: {out}", file=sys.stderr, flush=True)
     if not args.training_only:
-        want = args.ranking_devices or (os.cpu_count() or 1)
-        if jax.devices()[0].platform == "cpu" and want != len(jax.devices()):
+        if rank_in_child:
             out.update(_ranking_in_child(args, want))
         else:
             out.update(ranking_speed(data, args.eval_users, args.ranking_repeats,
