@@ -260,6 +260,7 @@ def _run(args, bindings) -> int:
     if args.command == "cache":
         return _cache_command(args)
     _check_run_macros(args.command)
+    _configure_host_malloc()
     model_dir = _query_macro("MODEL_DIR")
     if args.command == "train":
         _call_entry(
@@ -276,6 +277,21 @@ def _run(args, bindings) -> int:
     else:
         _call_entry("infer", files, bindings)
     return 0
+
+
+def _configure_host_malloc() -> None:
+    """On the CPU backend, glibc keeps the memory XLA frees for the next step
+    (`ktx.training.host_malloc`; `$KTX_HOST_MALLOC`: keep, single_arena or system)."""
+    import logging
+
+    import jax
+
+    from ktx.training import host_malloc
+
+    mode = host_malloc.mode_from_env()  # a wrong value fails on every backend
+    if jax.default_backend() == "cpu":
+        mode = host_malloc.configure(mode)
+        logging.getLogger("ktx").info("host malloc: %s (%s)", mode, host_malloc.ENV)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
   least moved by other processes on a shared machine; `cpu_ratio`: the same median ratio of
   this process's CPU time per step, which waiting for a core does not inflate;
   `paired_ratio`: the median over repeats of balanced / plain within one repeat, which a
-  drift of the machine's speed over the run does not move; with
+  drift of the machine's speed over the run does not move; `page_faults_per_step`: minor
+  page faults per step, median over repeats, which the allocator's history moves and
+  `ktx train`'s host malloc setting removes, applied here as there: `host_malloc` in the
+  JSON, `KTX_HOST_MALLOC=system` for glibc's defaults; with
   `--cost`, `bytes_ratio`: XLA's estimate of the bytes the compiled step accesses,
   balanced / plain, which no load moves). Goals: MetaBalance and the
   loss-weighting balancers <= 1.05x, PCGrad, MGDA and MTAdam <= 1.10x.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -48,7 +52,7 @@ import numpy as np
 import optax
 
 import ktx.optim as ko
-from ktx.training import precompile
+from ktx.training import host_malloc, precompile
 
 T = 4
 
@@ -258,17 +262,20 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
         steps = max(steps, int(np.ceil(repeat_seconds / ((time.perf_counter() - t0) / 3))))
     times = {name: [] for name in configs}
     cpu = {name: [] for name in configs}
+    faults = {name: [] for name in configs}
     order = list(configs)
     for r in range(repeats):
         rotated = order[r % len(order):] + order[: r % len(order)]
         for name in rotated:
             tr, state = runs[name]
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)
             jax.block_until_ready(m["loss"])
             times[name].append((time.perf_counter() - t0) / steps)
             cpu[name].append((time.process_time() - c0) / steps)
+            faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps)
             runs[name][1] = state
     base = statistics.median(times["plain"])
     out = {"plain_ms": {"median": round(base * 1e3, 3), "min": round(min(times["plain"]) * 1e3, 3)},
@@ -288,6 +295,10 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     base_cpu = statistics.median(cpu["plain"])
     out["cpu_ratio"] = {name: round(statistics.median(cpu[name]) / base_cpu, 3) for name in names}
     out["plain_cpu_ms"] = round(base_cpu * 1e3, 3)
+    # Minor page faults per step (median over repeats): memory the allocator mapped afresh
+    # (ktx.training.host_malloc), which costs system time on every step it happens.
+    out["page_faults_per_step"] = {name: round(statistics.median(faults[name]))
+                                   for name in configs}
     if cost:
         out["plain_mb_accessed"] = round(nbytes["plain"] / 1e6, 1)
         out["bytes_ratio"] = {name: round(nbytes[name] / nbytes["plain"], 3) for name in names}
@@ -354,6 +365,9 @@ def main(argv=None):
     p.add_argument("--ops", action="store_true",
                    help="also the compiled steps' instruction, fusion, sort and while-loop counts")
     args = p.parse_args(argv)
+    # As `ktx train` on a CPU: freed host memory is kept for the next step
+    # ($KTX_HOST_MALLOC, ktx.training.host_malloc).
+    malloc = host_malloc.configure() if jax.default_backend() == "cpu" else None
     trainer_ratios, trainer_times = {}, {}
     for key, setup, per_task in (("t5_tiny", _t5_setup, args.t5_rows_per_task),
                                  ("recsys", _recsys_setup, args.recsys_rows_per_task)):
@@ -368,6 +382,7 @@ def main(argv=None):
         "benchmark": "per_task_grads",
         "num_tasks": T,
         "device": jax.devices()[0].platform,
+        "host_malloc": malloc,
         "trainer_path": trainer_ratios,
         "trainer_path_ms": trainer_times,
         "goals": {"metabalance_and_loss_weighting": 1.05, "pcgrad_mgda_mtadam": 1.10},

@@ -25,7 +25,9 @@ on the first device (which XLA runs on every core) and one GEMM per device at on
 `--ranking_devices 1` ranks on one device.
 Targets: MetaBalance epoch <= 1.3x Vanilla-Multi's; ranking at >= 60% of the matmul
 peak (median over segments). The output is one JSON line on stdout, last (progress goes
-to stderr).
+to stderr). On a CPU, glibc keeps the host memory XLA frees for the next step, as `ktx
+train | eval` sets it (`ktx.training.host_malloc`; `host_malloc` in the JSON;
+`KTX_HOST_MALLOC=system` for glibc's defaults).
 
     KTX_DATA_DIR=../shared/data python tests/benchmarks/recsys_speed.py \
         [--train_steps N] [--eval_users N] [--ranking_only] [--ranking_repeats N] \
@@ -56,6 +58,7 @@ from ktx import optim, partitioning
 from ktx.studies import recsys as recsys_study
 from ktx.data import recsys as recsys_data
 from ktx.metrics import ranking
+from ktx.training import host_malloc
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
@@ -217,6 +220,9 @@ def main() -> None:
     ap.add_argument("--period", type=int, default=1024,
                     help="ktx train's log period (two are run; the second is timed)")
     args = ap.parse_args()
+    # As `ktx train | eval` on a CPU: freed host memory is kept for the next step
+    # ($KTX_HOST_MALLOC, ktx.training.host_malloc; a ranking child inherits the variable).
+    malloc = host_malloc.configure() if jax.default_backend() == "cpu" else None
     want = args.ranking_devices or (os.cpu_count() or 1)
     # The ranking runs in a child process when it needs another CPU device count.
     rank_in_child = (not args.training_only and jax.devices()[0].platform == "cpu"
@@ -225,7 +231,7 @@ def main() -> None:
         directory = None if args.data_dir is None else os.path.join(args.data_dir, "recsys", "tmall")
         data = recsys_data.load_tmall_pairs(directory)
     out: dict = {"benchmark": "recsys_speed", "devices": str(jax.devices()[0].platform),
-                 "cpus": os.cpu_count()}
+                 "cpus": os.cpu_count(), "host_malloc": malloc}
     if not args.ranking_only:
         out["matmul_peak_gflops"] = round(matmul_peak(), 1)
         suffix = "" if args.train_steps <= 0 else "_projected"
