@@ -84,12 +84,14 @@ def test_mode_from_env_names_the_variable_and_the_accepted_values(monkeypatch):
 
 
 @needs_glibc
-def test_a_second_mode_in_one_process_is_refused():
-    code = ("from ktx.training import host_malloc as h; h.configure('keep'); "
-            "print(h.configure('keep')); h.configure('system')")
+@pytest.mark.parametrize("first,second", [("keep", "system"), ("system", "single_arena")])
+def test_a_second_mode_in_one_process_is_refused(first, second):
+    code = (f"from ktx.training import host_malloc as h; h.configure({first!r}); "
+            f"print(h.configure({first!r})); h.configure({second!r})")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.stdout.strip() == "keep"
-    assert "host malloc already set to 'keep' in this process; 'system' cannot replace it" in r.stderr
+    assert r.stdout.strip() == first
+    assert (f"host malloc already set to {first!r} in this process; {second!r} cannot "
+            "replace it") in r.stderr
 
 
 def test_ktx_train_reports_a_bad_mode_in_one_line(tmp_path):

@@ -23,7 +23,7 @@ zero-fills, on every step. Measured on a 2-core CPU (`docs/balancing.md`, "Page 
   falls back to `mmap` there).
 * `"single_arena"`: `"keep"` and one arena for every thread (`M_ARENA_MAX=1`), so that
   allocations above 64 MiB come from the main heap too: T5.1.1-tiny's step 48 -> 31 ms,
-  no faults; but the recommendation step 7.0 -> 8.9 ms (threads share one arena's lock).
+  no faults; but the recommendation step 6.6-7.4 -> 8.6-9.4 ms, without faults either way.
 * `"system"`: glibc's defaults, untouched.
 
 The CLI applies `$KTX_HOST_MALLOC` (default `"keep"`) to `ktx train | eval | infer` when
@@ -35,7 +35,6 @@ calls `configure()` itself). Only glibc has these parameters: elsewhere (macOS, 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 __all__ = ["MODES", "configure", "mode_from_env"]
@@ -90,6 +89,7 @@ def configure(mode: str | None = None) -> str:
                              f"{mode!r} cannot replace it")
         return _applied
     if mode == "system":
+        _applied = mode
         return mode
     libc = _glibc()
     if libc is None:

@@ -25,7 +25,9 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
   drift of the machine's speed over the run does not move; `page_faults_per_step`: minor
   page faults per step, median over repeats, which the allocator's history moves and
   `ktx train`'s host malloc setting removes, applied here as there: `host_malloc` in the
-  JSON, `KTX_HOST_MALLOC=system` for glibc's defaults; with
+  JSON, `KTX_HOST_MALLOC=system` for glibc's defaults; `block_ms`: every block's step
+  time in the order run; `steal_share`: the share of the machine's CPU time the hypervisor
+  took during a config's blocks (Linux guests); with
   `--cost`, `bytes_ratio`: XLA's estimate of the bytes the compiled step accesses,
   balanced / plain, which no load moves). Goals: MetaBalance and the
   loss-weighting balancers <= 1.05x, PCGrad, MGDA and MTAdam <= 1.10x.
@@ -232,6 +234,16 @@ def _op_counts(tr, state, host_batch, counts):
             "sorts": text.count(" sort("), "while_loops": text.count(" while(")}
 
 
+def _steal_and_total():
+    """(steal, total) CPU ticks of the whole machine from /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
 def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None, cost=False,
                  ops=False, repeat_seconds=0.0):
     """Interleaved timing of `Trainer.train_step`, plain and with every balancer: each
@@ -263,12 +275,13 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     times = {name: [] for name in configs}
     cpu = {name: [] for name in configs}
     faults = {name: [] for name in configs}
+    stolen = {name: [] for name in configs}
     order = list(configs)
     for r in range(repeats):
         rotated = order[r % len(order):] + order[: r % len(order)]
         for name in rotated:
             tr, state = runs[name]
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            f0, s0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _steal_and_total()
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)
@@ -276,6 +289,9 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
             times[name].append((time.perf_counter() - t0) / steps)
             cpu[name].append((time.process_time() - c0) / steps)
             faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps)
+            s1 = _steal_and_total()
+            if s0 and s1 and s1[1] > s0[1]:
+                stolen[name].append((s1[0] - s0[0]) / (s1[1] - s0[1]))
             runs[name][1] = state
     base = statistics.median(times["plain"])
     out = {"plain_ms": {"median": round(base * 1e3, 3), "min": round(min(times["plain"]) * 1e3, 3)},
@@ -299,6 +315,12 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     # (ktx.training.host_malloc), which costs system time on every step it happens.
     out["page_faults_per_step"] = {name: round(statistics.median(faults[name]))
                                    for name in configs}
+    # Each block's step time, in the order the repeats ran them, and the share of the
+    # machine's CPU time the hypervisor took from it (steal, /proc/stat; Linux guests),
+    # mean over blocks: what moves a median between runs that no step change explains.
+    out["block_ms"] = {name: [round(t * 1e3, 3) for t in times[name]] for name in configs}
+    if all(stolen.values()):
+        out["steal_share"] = {name: round(statistics.mean(stolen[name]), 4) for name in configs}
     if cost:
         out["plain_mb_accessed"] = round(nbytes["plain"] / 1e6, 1)
         out["bytes_ratio"] = {name: round(nbytes[name] / nbytes["plain"], 3) for name in names}
@@ -359,6 +381,8 @@ def main(argv=None):
     p.add_argument("--recsys_rows_per_task", type=int, default=64)
     p.add_argument("--t5_rows_per_task", type=int, default=4)
     p.add_argument("--skip_engine", action="store_true", help="only the trainer path")
+    p.add_argument("--models", default="t5_tiny,recsys",
+                   help="comma-separated subset of t5_tiny, recsys for the trainer path")
     p.add_argument("--balancers", default="", help="comma-separated subset of ktx.optim.BALANCERS")
     p.add_argument("--cost", action="store_true",
                    help="also XLA's bytes accessed per step, balanced / plain (compiles twice)")
@@ -369,8 +393,13 @@ def main(argv=None):
     # ($KTX_HOST_MALLOC, ktx.training.host_malloc).
     malloc = host_malloc.configure() if jax.default_backend() == "cpu" else None
     trainer_ratios, trainer_times = {}, {}
+    models = [m for m in args.models.split(",") if m]
+    if not models or set(models) - {"t5_tiny", "recsys"}:
+        p.error(f"--models={args.models!r}; accepted: t5_tiny, recsys (comma-separated)")
     for key, setup, per_task in (("t5_tiny", _t5_setup, args.t5_rows_per_task),
                                  ("recsys", _recsys_setup, args.recsys_rows_per_task)):
+        if key not in models:
+            continue
         model, batch, sparse = setup(per_task)
         counts = (per_task,) * T
         trainer_ratios[key], trainer_times[key] = trainer_path(
