@@ -57,6 +57,7 @@ import ktx.optim as ko
 from ktx.training import host_malloc, precompile
 
 T = 4
+DIAGNOSTICS_PERIOD = 100  # ktx train's default log period
 
 
 def _timed(fn, args, steps):
@@ -206,7 +207,7 @@ def trainer(model, balancer, sparse=None, mesh=None):
                    balancer=None if balancer is None else _balancer(balancer),
                    shared=getattr(model, "shared_param_patterns", None),
                    sparse_tables=sparse if balancer is not None else None,
-                   diagnostics_period=100)
+                   diagnostics_period=DIAGNOSTICS_PERIOD)
 
 
 def _bytes_accessed(tr, state, host_batch, counts):
@@ -257,7 +258,12 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     for name, balancer in configs.items():
         tr = trainer(model, balancer, sparse)
         state = tr.init_state(jax.random.key(0), host_batch)
-        state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)  # compile
+        # Warm-up through the first diagnostics step: a balanced Trainer compiles its step
+        # with diagnostics there (once per run, as `ktx train` does), which a timed block
+        # would otherwise take in: one block of every balanced config 6-10x its others,
+        # and its median one rank up among the rest.
+        for _ in range(DIAGNOSTICS_PERIOD):
+            state, m = tr.train_step(state, host_batch, jax.random.key(1), task_counts=counts)
         jax.block_until_ready(m["loss"])
         runs[name] = [tr, state]
         if cost:
