@@ -10,7 +10,8 @@ tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
   optimizer, as its gin files chain it; diagnostics at the default log period of 100 steps;
   the loss-weighting balancers take the step's loss-weighted shortcut, `ktx train`'s
   default, `StepOptions.weights_from_losses`), plain and with every
-  balancer in `ktx.optim.BALANCERS`, timed interleaved: each repeat times `--steps`
+  balancer in `ktx.optim.BALANCERS`, each warmed up through the first diagnostics step
+  (whose compile a timed block would take in), timed interleaved: each repeat times `--steps`
   steps of every configuration (more where the plain step needs them to fill
   `--repeat_seconds`, default 1 s: the recommendation step takes ~7 ms on a CPU, so a
   block of 5 steps is a few hiccups long; `trainer_path_ms.<model>.steps_per_repeat`),
