@@ -284,13 +284,10 @@ def _configure_host_malloc() -> None:
     (`ktx.training.host_malloc`; `$KTX_HOST_MALLOC`: keep, single_arena or system)."""
     import logging
 
-    import jax
-
     from ktx.training import host_malloc
 
-    mode = host_malloc.mode_from_env()  # a wrong value fails on every backend
-    if jax.default_backend() == "cpu":
-        mode = host_malloc.configure(mode)
+    mode = host_malloc.configure_on_cpu()
+    if mode is not None:
         logging.getLogger("ktx").info("host malloc: %s (%s)", mode, host_malloc.ENV)
 
 

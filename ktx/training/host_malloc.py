@@ -15,7 +15,7 @@ zero-fills, on every step. Measured on a 2-core CPU (`docs/balancing.md`, "Page 
 
 `configure(mode)` sets glibc's `mallopt` parameters in this process:
 
-* `"keep"` (the default): never `mmap` an allocation (`M_MMAP_MAX=0`), never give the top
+* `"keep"` (the default): no `mmap` for large allocations (`M_MMAP_MAX=0`), never give the top
   of a heap back (`M_TRIM_THRESHOLD` at its largest) and keep 128 MiB of padding, which
   also keeps a thread arena's empty heaps mapped (`M_TOP_PAD`). Freed memory is reused,
   and the process holds its peak. An allocation larger than a thread arena's 64 MiB
@@ -37,7 +37,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["MODES", "configure", "mode_from_env"]
+__all__ = ["MODES", "configure", "configure_on_cpu", "mode_from_env"]
 
 ENV = "KTX_HOST_MALLOC"
 MODES = ("keep", "single_arena", "system")
@@ -103,3 +103,12 @@ def configure(mode: str | None = None) -> str:
                           f"mode {mode!r}; set {ENV}=system")
     _applied = mode
     return mode
+
+
+def configure_on_cpu() -> str | None:
+    """`configure()` where JAX's default backend is the CPU (what the CLI and the CPU
+    benchmarks run); None elsewhere. `$KTX_HOST_MALLOC` is checked on every backend."""
+    import jax
+
+    mode = mode_from_env()
+    return configure(mode) if jax.default_backend() == "cpu" else None

@@ -398,7 +398,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     # As `ktx train` on a CPU: freed host memory is kept for the next step
     # ($KTX_HOST_MALLOC, ktx.training.host_malloc).
-    malloc = host_malloc.configure() if jax.default_backend() == "cpu" else None
+    malloc = host_malloc.configure_on_cpu()
     trainer_ratios, trainer_times = {}, {}
     models = [m for m in args.models.split(",") if m]
     if not models or set(models) - {"t5_tiny", "recsys"}:

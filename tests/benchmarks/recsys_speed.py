@@ -222,7 +222,7 @@ def main() -> None:
     args = ap.parse_args()
     # As `ktx train | eval` on a CPU: freed host memory is kept for the next step
     # ($KTX_HOST_MALLOC, ktx.training.host_malloc; a ranking child inherits the variable).
-    malloc = host_malloc.configure() if jax.default_backend() == "cpu" else None
+    malloc = host_malloc.configure_on_cpu()
     want = args.ranking_devices or (os.cpu_count() or 1)
     # The ranking runs in a child process when it needs another CPU device count.
     rank_in_child = (not args.training_only and jax.devices()[0].platform == "cpu"
