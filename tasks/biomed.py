@@ -54,6 +54,8 @@ from ktx.metrics.biomed import postprocess_mentions, postprocess_nli_label, post
 from ktx.metrics.glue import accuracy
 from ktx.tasks import config
 
+_log = logging.getLogger(__name__)  # ktx.cli prints it as `ktx: ...`
+
 __all__ = [
     "BIOMED_FILES",
     "BIOMED_MIXTURE_TASKS",
@@ -395,7 +397,7 @@ class DecontaminatedSource(BiomedFilesSource):
             raise files.DataFileError(f"{self.name}/{split}: every row is in another task's evaluation data")
         report = Decontamination(self.name, split, len(rows), len(rows) - len(kept), by_source)
         self._memo[split] = ((rows, *reads), tuple(kept), report)
-        logging.warning("%s", report)
+        _log.warning("%s", report)
         return tuple(kept), report
 
     def rows(self, split: str) -> tuple[dict[str, Any], ...]:

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from ktx.cli.commands import (
     _analyze,
     _cache_command,
+    _check_precompile_flags,
     _check_run_macros,
     _convert_command,
     _params_command,
@@ -51,8 +52,10 @@ from ktx.cli.gin_config import (
     absolute_path,
     check_required_macros,
     gin_search_path,
+    macro_names,
     parse_gin,
 )
+from ktx.cli import quiet
 from ktx.runs.run_dir import RunDir
 
 __all__ = [
@@ -183,7 +186,10 @@ def _report_failure(e: BaseException, command: str) -> None:
             log = None
     kind = "" if isinstance(e, (ValueError, FileNotFoundError, TypeError)) else f"{type(e).__name__}: "
     where = f" (traceback in {log}; --debug shows it here)" if log else " (--debug shows the traceback)"
-    print(f"ktx {command}: {kind}{_first_line(e)}{where}{_fix_for(e, command)}", file=sys.stderr)
+    line = f"{kind}{_first_line(e)}"
+    if command != "analyze":
+        line = macro_names(line)  # the macro a user sets, not the parameter it feeds
+    print(f"ktx {command}: {line}{where}{_fix_for(e, command)}", file=sys.stderr)
 
 
 def _fix_for(e: BaseException, command: str) -> str:
@@ -201,6 +207,7 @@ def _fix_for(e: BaseException, command: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet.start()  # before anything imports TensorFlow (ktx.cli.quiet)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rest, bindings = _split_gin_flags(argv)
@@ -229,7 +236,10 @@ def _run(args, bindings) -> int:
     if args.command == "analyze":
         return _analyze(args, bindings)
     if args.command in ("import", "export"):
+        quiet.quiet_backends()  # libtpu's and CUDA's probes on a machine without them
         return _convert_command(args)
+    if args.command == "precompile":
+        _check_precompile_flags(args)  # before the gin files import the data pipeline
     if args.multihost:
         import jax
 
@@ -244,6 +254,8 @@ def _run(args, bindings) -> int:
             process_id=args.process_id,
             heartbeat_timeout_seconds=args.heartbeat_timeout,
         )
+    if args.command != "cache":
+        quiet.quiet_backends()  # libtpu's and CUDA's probes on a machine without them
     files = parse_gin(args.gin_file, bindings, [p for p in args.gin_search_paths.split(",") if p])
     from ktx.data import files as data_files
 

@@ -32,6 +32,9 @@ def _analyze(args, bindings: Sequence[tuple[str, str]] = ()) -> int:
     training (from the run's metrics.jsonl) as in the MetaBalance paper's figures.
     `ktx analyze attention ...`: see `_analyze_attention`."""
     if args.args == ["attention"]:
+        from ktx.cli import quiet
+
+        quiet.quiet_backends()
         return _analyze_attention(args, bindings)
     if len(args.args) != 2 or args.args[0] != "gradients":
         raise GinConfigError(f"ktx analyze {' '.join(args.args)}: accepted: {_ANALYZE_USAGE}")
@@ -160,6 +163,17 @@ PRECOMPILE_DOES_NOT_FIT = 3
 PRECOMPILE_COMPILER_DIED = 4
 
 
+def _check_precompile_flags(args) -> None:
+    """`ktx precompile`'s checks of its own flags, made before the gin files are parsed
+    (which imports the data pipeline, and TensorFlow with it)."""
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not timeout > 0:
+        raise GinConfigError(f"--timeout={timeout:g}; accepted: seconds > 0 (default: no limit)")
+    if not args.gin_file:
+        raise GinConfigError("ktx precompile compiles the train step of a run: give its gin files "
+                             "(--gin_file=models/t5_1_1_base.gin --gin_file=runs/train.gin ...)")
+
+
 def _precompile_command(args, bindings: Sequence[tuple[str, str]] = ()) -> int:
     """`ktx precompile --topology=NAME [--timeout=SECONDS]`: the train step of the
     gin-configured run (`runs/train.gin` + model + conditioning + optim files) compiled
@@ -168,13 +182,12 @@ def _precompile_command(args, bindings: Sequence[tuple[str, str]] = ()) -> int:
     by a signal) or ran over `--timeout` seconds."""
     from ktx.training import precompile as precompile_lib
 
+    _check_precompile_flags(args)
     topology = args.topology or _query_macro("TOPOLOGY")
     if not topology:
         raise GinConfigError("ktx precompile needs --topology=NAME (e.g. v4:4x4x4, v5e:16x16) or a "
                              "gin file binding TOPOLOGY (gin/pods/*.gin)")
     timeout = getattr(args, "timeout", None)
-    if timeout is not None and not timeout > 0:
-        raise GinConfigError(f"--timeout={timeout:g}; accepted: seconds > 0 (default: no limit)")
     kwargs = _precompile_kwargs(topology)  # the parent checks the configuration first
     search_paths = [p for p in args.gin_search_paths.split(",") if p]
     try:

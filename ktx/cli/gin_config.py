@@ -207,11 +207,14 @@ def _gin_error(e: Exception, files: Sequence[pathlib.Path], bindings: Sequence[t
         after = message[m.end():].strip().splitlines()
         if after:
             binding = after[0].strip()
-    close = _close_names(message, files)
+    hint = _alias_hint(message, files, binding.replace(" = ", "=", 1))
+    close = [] if hint else _close_names(message, files)
     head = lines[0] if lines else type(e).__name__
     text = f"gin error{' at ' + where if where else ''}: {type(e).__name__}: {head}"
     if binding:
         text += f"\n  binding: {binding}"
+    if hint:
+        text += f"\n  {hint}"
     if close:
         text += f"\n  close names: {', '.join(close)}"
     return GinConfigError(text)
@@ -247,6 +250,11 @@ def gin_search_path(extra: Sequence[str] = ()) -> list[str]:
     run writes there (a `runs/` output folder) can shadow them."""
     return [str(pathlib.Path(p).expanduser().resolve()) for p in extra if p] + [
         str(DEFAULT_GIN_DIR), os.getcwd()]
+
+
+# Macros every command reads itself (ktx.cli: the data folder and the bad-row policy of every
+# reader), accepted as flags whether or not the run's gin files define them.
+CLI_MACROS = ("DATA_DIR", "ON_BAD_ROW")
 
 
 # Macros that hold a path: a relative value is resolved against the working directory
@@ -320,10 +328,11 @@ def parse_gin(
         raise _gin_error(e, files, bindings) from e
     finally:
         logging.getLogger().removeFilter(quiet)
-    # A misspelt macro flag would silently define a new macro: only known ones are allowed.
+    # A misspelt macro flag would silently define a new macro: only known ones are allowed
+    # (and those the command line itself reads, whatever the run file).
     macros = _known_macros()
     for name, value in bindings:
-        if re.fullmatch(r"[A-Z][A-Z0-9_]*", name) and name not in macros:
+        if re.fullmatch(r"[A-Z][A-Z0-9_]*", name) and name not in macros and name not in CLI_MACROS:
             close = difflib.get_close_matches(name, macros, n=3)
             raise GinConfigError(
                 f"gin error at --gin.{name}={value}: no gin file defines the macro {name}"
@@ -337,14 +346,68 @@ def parse_gin(
         except SyntaxError as e:
             raise GinConfigError(
                 f"gin error at --gin.{name}={value}: {value!r} is not a gin value; accepted: "
-                f"a Python literal (a string needs quotes: --gin.{name}=\"'{value}'\"), "
-                f"@configurable() or %MACRO"
+                + _accepted_like(name, value)
             ) from e
         except errors as e:
             raise _gin_error(e, files, [(name, value)]) from e
     _absolutize_path_macros()
     _check_model_family(files)
     return files
+
+
+def _accepted_like(name: str, value: str) -> str:
+    """What a non-literal flag value should have been, from the value the gin files give
+    `name` (an int: an integer; a string: the value quoted; ...)."""
+    import gin
+
+    try:
+        current = gin.query_parameter(f"%{name}" if re.fullmatch(r"[A-Z][A-Z0-9_]*", name) else name)
+    except (ValueError, KeyError):
+        current = None
+    if isinstance(current, bool):
+        return f"True or False (--gin.{name}={current})"
+    if isinstance(current, int):
+        return f"an integer (--gin.{name}={current})"
+    if re.fullmatch(r"(NUM_\w+|\w+_STEPS|\w+_SIZE|\w+_EPOCHS|SEED)", name):  # required
+        return f"an integer (--gin.{name}=8)"
+    if isinstance(current, float):
+        return f"a number (--gin.{name}={current!r})"
+    return (f"a Python literal (a string needs quotes: --gin.{name}=\"'{value}'\"), "
+            "@configurable() or %MACRO")
+
+
+def _alias_hint(message: str, files: Sequence[pathlib.Path], binding: str) -> str:
+    """For "No configurable matching 'a.b.c.fn'" where the gin files import module `a.b.c`
+    under an alias: the name to write instead ('' otherwise)."""
+    m = re.search(r"No configurable matching '([^']+)'", message)
+    if not m:
+        return ""
+    selector = m.group(1)
+    for alias, module in sorted(_import_aliases(files).items()):
+        if alias != module and selector.startswith(module + "."):
+            name = alias + selector[len(module):]
+            fix = binding.replace(selector, name, 1) if binding.startswith(selector) else name
+            return (f"the gin files import {module} as {alias}: write "
+                    + (f"--gin.{fix}" if binding.startswith(selector) else name))
+    return ""
+
+
+def macro_names(message: str) -> str:
+    """`message` with each `parameter=` of a configurable that the gin files bind to a macro
+    (`min_user_purchases = %MIN_USER_PURCHASES`) written as that macro (`MIN_USER_PURCHASES=`),
+    the name a user sets; a parameter bound to different macros is left as it is."""
+    import gin
+
+    macros: dict[str, set[str]] = {}
+    for params in gin.config._CONFIG.values():  # noqa: SLF001 - read only
+        for param, value in params.items():
+            text = repr(value) if isinstance(value, gin.config.ConfigurableReference) else ""
+            if re.fullmatch(r"%[A-Z][A-Z0-9_]*", text):
+                macros.setdefault(param, set()).add(text[1:])
+    for param, names in macros.items():
+        if len(names) == 1 and re.fullmatch(r"[a-z][a-z0-9_]*", param):
+            message = re.sub(rf"(?<![\w.%]){param}=", f"{next(iter(names))}=", message)
+    return message
 
 
 # Which family each model-building module belongs to, and the configurables whose

@@ -44,6 +44,8 @@ import tensorflow as tf
 from ktx.metrics import tagging
 from ktx.metrics.biomed import iob_to_spans
 
+_log = logging.getLogger(__name__)  # ktx.cli prints it as `ktx: ...`
+
 __all__ = [
     "TEXT_FEATURES",
     "ENCODER_FEATURES",
@@ -487,7 +489,7 @@ def log_truncation(features: Mapping[str, np.ndarray], *, source: str, length: i
     cut = features["words_cut"] > 0
     if not cut.any():
         return
-    logging.warning(
+    _log.warning(
         "%s: %d of %d sentences are longer than %d pieces; %d words (and their tags) were cut "
         "off and are neither trained on nor predicted; %d gold entities were not wholly kept "
         "(%d of them partly) and count as missed (false negatives) in the entity scores",

@@ -7,7 +7,8 @@ skipped and counted (and the count logged) instead of being silently dropped.
 
 The policy of the registered tasks is this process's default (`set_on_bad_row`, else the
 `KTX_ON_BAD_ROW` environment variable, else "raise"), read when a file is read. From gin
-(every command): `ON_BAD_ROW = 'skip'` in runs/*.gin (`--gin.ON_BAD_ROW="'skip'"`) sets it; for one
+(every command, whatever its gin files): `ON_BAD_ROW = 'skip'` in a gin file or
+`--gin.ON_BAD_ROW="'skip'"` sets it; for one
 input, `pipeline.MultiTaskInput.on_bad_row = 'skip'` applies it to the reads of
 that input (`--gin.pipeline.MultiTaskInput.on_bad_row="'skip'"`).
 """
@@ -23,6 +24,8 @@ import os
 import pathlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+_log = logging.getLogger(__name__)  # ktx.cli prints it as `ktx: ...`
 
 __all__ = [
     "DATA_DIR_ENV",
@@ -50,7 +53,7 @@ _BOM = "\ufeff"
 # How to switch to "skip", in every way that reaches the readers (the error message).
 SKIP_HOW_TO = (
     "to skip and count such rows instead, add --gin.ON_BAD_ROW=\"'skip'\" to the ktx "
-    f"command (runs/train.gin, eval.gin, infer.gin), or set the environment variable "
+    f"command (any run file), or set the environment variable "
     f"{ON_BAD_ROW_ENV}=skip, or call ktx.data.files.set_on_bad_row('skip') in Python"
 )
 _policy: dict[str, str | None] = {"default": None}
@@ -146,13 +149,18 @@ def require_file(path: str | os.PathLike, how_to_obtain: str) -> pathlib.Path:
 
 @dataclasses.dataclass
 class BadRowCounter:
-    """Applies the bad-row policy for one file and counts what was skipped."""
+    """Applies the bad-row policy for one file and counts what was skipped.
+
+    `on_bad_row`: "raise" or "skip"; None: the process's policy (`get_on_bad_row`: the gin
+    macro ON_BAD_ROW of a ktx command, else `$KTX_ON_BAD_ROW`, else "raise")."""
 
     path: pathlib.Path
-    on_bad_row: str = "raise"
+    on_bad_row: str | None = None
     skipped: int = 0
 
     def __post_init__(self):
+        if self.on_bad_row is None:
+            self.on_bad_row = get_on_bad_row()
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ValueError(f"on_bad_row={self.on_bad_row!r}; accepted: {BAD_ROW_POLICIES}")
 
@@ -163,11 +171,11 @@ class BadRowCounter:
             raise DataFileError(f"{message} ({SKIP_HOW_TO})")
         self.skipped += 1
         if self.skipped <= 5:
-            logging.warning("skipping bad row %s", message)
+            _log.warning("skipping bad row %s", message)
 
     def report(self) -> None:
         if self.skipped:
-            logging.warning("%s: skipped %d bad rows", self.path, self.skipped)
+            _log.warning("%s: skipped %d bad rows", self.path, self.skipped)
 
 
 def read_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:

@@ -112,6 +112,8 @@ from ktx.data import process_layout
 from ktx.data import seqio_cache
 from ktx.data import wordpiece
 
+_log = logging.getLogger(__name__)  # ktx.cli prints it as `ktx: ...`
+
 __all__ = ["LAYOUTS", "TASK_KINDS", "MultiTaskInput", "mixture_task_names", "mixture_rates",
            "task_kind", "encoder_num_labels"]
 
@@ -383,7 +385,7 @@ class MultiTaskInput:
         self.task_sizes: tuple[int, ...] = tuple(int(n) for n in self.shard_sizes.sum(axis=0))
         self.min_rows_per_task = int(min_rows_per_task)
         self._setup_schedule()
-        logging.info(
+        _log.info(
             "MultiTaskInput %s/%s: %s, global rows per task %s, this process's rows %s, "
             "%.1f MB cached, counts at step 0 %s",
             mixture_or_task_name, split,
@@ -522,7 +524,7 @@ class MultiTaskInput:
                 )
             never = positive & (self.schedule.counts[:, t] == 0) & (self.schedule.shares[:, t] == 0)
             if self.layout == "task_partitioned" and never.any():
-                logging.warning(
+                _log.warning(
                     "task %r (rate %.3g) gets 0 of %d rows per batch in the task-partitioned "
                     "layout, so it is not trained on; use Mixing(carry=True), raise "
                     "min_rows_per_task or the batch size, or use layout='sampled'",

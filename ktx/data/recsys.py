@@ -16,6 +16,10 @@ through `ktx.data.files`; each has a gin file under gin/experiments/recsys/layou
 * MovieLens `user item rating timestamp` (`::` or tab separated), ratings turned into
   behaviours by thresholds; `read_movielens`.
 
+Every reader's `on_bad_row` is "raise" or "skip"; None (the default) is the process's
+policy (`ktx.data.files.get_on_bad_row`: the gin macro ON_BAD_ROW of a ktx command, else
+the environment variable KTX_ON_BAD_ROW, else "raise").
+
 A given held-out test file of the target (`read_heldout`, any of these layouts)
 replaces the split's test part. Repeated (user, item) rows are counted and reported
 (`MultiBehaviorData.report`), test pairs the training data cannot rank are counted and
@@ -49,6 +53,8 @@ import jax
 import numpy as np
 
 from ktx.data import files
+
+_log = logging.getLogger(__name__)  # ktx.cli prints it as `ktx: ...`
 
 __all__ = [
     "USER_BEHAVIOR_ACTIONS",
@@ -114,7 +120,7 @@ def _count_duplicates(pairs: np.ndarray, source: str, what: str) -> int:
     """Repeated (user, item) rows of `pairs`, logged with the file they came from."""
     n = len(pairs) - len(_unique_pairs(pairs))
     if n:
-        logging.warning("%s: %d duplicate (user, item) rows of %s (each pair is kept once)",
+        _log.warning("%s: %d duplicate (user, item) rows of %s (each pair is kept once)",
                         source, n, what)
     return int(n)
 
@@ -140,7 +146,7 @@ def _collect(rows: Iterable[tuple[str, int, int]], source: str) -> Interactions:
 
 
 def read_user_behavior(
-    path: str | os.PathLike, *, on_bad_row: str = "raise"
+    path: str | os.PathLike, *, on_bad_row: str | None = None
 ) -> Interactions:
     """Reads the UserBehavior CSV (`user,item,category,behavior,timestamp`, no header)."""
     path = files.require_file(path, _HOW)
@@ -169,7 +175,7 @@ def read_user_behavior(
     return _collect(rows(), str(path))
 
 
-def read_ijcai15_log(path: str | os.PathLike, *, on_bad_row: str = "raise") -> Interactions:
+def read_ijcai15_log(path: str | os.PathLike, *, on_bad_row: str | None = None) -> Interactions:
     """Reads IJCAI-15 `user_log_format1.csv` (header `user_id,...,action_type`)."""
     path = files.require_file(path, _HOW)
     counter = files.BadRowCounter(path, on_bad_row)
@@ -191,7 +197,7 @@ def read_ijcai15_log(path: str | os.PathLike, *, on_bad_row: str = "raise") -> I
     return _collect(rows(), str(path))
 
 
-def read_pair_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.ndarray:
+def read_pair_file(path: str | os.PathLike, *, on_bad_row: str | None = None) -> np.ndarray:
     """Reads `user item` lines (whitespace-separated) -> int64 `[n, 2]`."""
     path = files.require_file(path, _HOW)
     counter = files.BadRowCounter(path, on_bad_row)
@@ -232,13 +238,13 @@ def _read_per_behaviour(files: Mapping[str, str | os.PathLike], reader, what: st
 
 
 def read_behaviour_pairs(
-    files: Mapping[str, str | os.PathLike], *, on_bad_row: str = "raise"
+    files: Mapping[str, str | os.PathLike], *, on_bad_row: str | None = None
 ) -> Interactions:
     """One `user item` pair file per behaviour (`{"buy": "buy.txt", "cart": ...}`)."""
     return _read_per_behaviour(files, read_pair_file, "read_behaviour_pairs", on_bad_row)
 
 
-def read_list_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.ndarray:
+def read_list_file(path: str | os.PathLike, *, on_bad_row: str | None = None) -> np.ndarray:
     """Reads `user item item ...` lines (whitespace-separated; a user's interacted items
     after its id, a line with the user alone has none) -> int64 `[n, 2]` pairs."""
     path = files.require_file(path, _HOW)
@@ -261,7 +267,7 @@ def read_list_file(path: str | os.PathLike, *, on_bad_row: str = "raise") -> np.
 
 
 def read_behaviour_lists(
-    files: Mapping[str, str | os.PathLike], *, on_bad_row: str = "raise"
+    files: Mapping[str, str | os.PathLike], *, on_bad_row: str | None = None
 ) -> Interactions:
     """One `user item item ...` list file per behaviour, as several public multi-behaviour
     benchmarks ship them (`{"buy": "buy.txt", "click": "pv.txt"}`)."""
@@ -288,7 +294,7 @@ def read_movielens(
     path: str | os.PathLike,
     *,
     rating_thresholds: Mapping[str, float] | None = None,
-    on_bad_row: str = "raise",
+    on_bad_row: str | None = None,
 ) -> Interactions:
     """Reads MovieLens ratings, `user item rating [timestamp]` separated by `::`
     (ml-1m `ratings.dat`) or tabs (ml-100k `u.data`), one rating per line.
@@ -337,7 +343,7 @@ def read_movielens(
 
     out = _collect(rows(), str(path))
     if below:
-        logging.warning("%s: %d ratings below every threshold of %s are not a behaviour",
+        _log.warning("%s: %d ratings below every threshold of %s are not a behaviour",
                         path, below, dict((b, v) for v, b in levels))
     return out
 
@@ -351,7 +357,7 @@ def read_heldout(
     layout: str,
     target: str = "buy",
     rating_thresholds: Mapping[str, float] | None = None,
-    on_bad_row: str = "raise",
+    on_bad_row: str | None = None,
 ) -> np.ndarray | None:
     """A given held-out test file (TEST_FILE) of the target behaviour, in the layout of
     the data: `user item` pairs, `user item item ...` lists, or a MovieLens / UserBehavior
@@ -372,7 +378,7 @@ def read_heldout(
         pairs = inter.pairs.get(target, np.zeros((0, 2), np.int64))
         others = {b: len(p) for b, p in inter.pairs.items() if b != target}
         if others:
-            logging.warning("%s: held-out test file: only the %d %r rows are tested; the rows "
+            _log.warning("%s: held-out test file: only the %d %r rows are tested; the rows "
                             "of other behaviours %s are not", path, len(pairs), target, others)
     if not len(pairs):
         raise files.DataFileError(
@@ -518,7 +524,7 @@ def prepare_multibehavior(
         kept = ~np.isin(pair_id[:len(buys)], pair_id[len(buys):])
         report["test_pairs_in_train"] = int((~kept).sum())
         if report["test_pairs_in_train"]:
-            logging.warning("%d held-out test pairs are also %r interactions: removed from "
+            _log.warning("%d held-out test pairs are also %r interactions: removed from "
                             "training", report["test_pairs_in_train"], target)
         buys = buys[kept]
     items, buyers = np.unique(buys[:, 1], return_counts=True)
@@ -552,7 +558,7 @@ def prepare_multibehavior(
                 f"{target!r} training data (after min_user_purchases={min_user_purchases}, "
                 f"min_item_buyers={min_item_buyers}); check that the test file uses the same ids")
         if report["test_pairs_dropped"]:
-            logging.warning(
+            _log.warning(
                 "%d of %d held-out test pairs name a user or item absent from the %r training "
                 "data (after the filters): not ranked", report["test_pairs_dropped"], len(test), target)
         share = fr[1] / (fr[0] + fr[1]) if fr[0] + fr[1] > 0 else 0.0
@@ -599,7 +605,7 @@ def load_tmall_pairs(
     *,
     target: str = "buy",
     auxiliaries: Sequence[str] = ("collect", "cart"),
-    on_bad_row: str = "raise",
+    on_bad_row: str | None = None,
 ) -> MultiBehaviorData:
     """The shared Tmall folder (given splits): `train.txt` (target train), `validation.txt`,
     `test.txt`, `<aux>.txt`, `data_size.txt`; leakage removed from the auxiliaries.

@@ -26,7 +26,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -210,10 +210,23 @@ def _rank_chunk(params, blocks, users, ex_rows, ex_cols, rel_rows, rel_cols, num
     return topk_metrics(jnp.take_along_axis(relevant, top, axis=1), num_rel, ks)
 
 
+# Where the per-chunk callback of a ranking compiled with `report=True` goes: the compiled
+# function is cached, so its callback is this fixed function, and `full_ranking` points it
+# at the caller's `progress` for the length of one call.
+_chunk_listener: dict[str, Callable[[int], None] | None] = {"fn": None}
+
+
+def _chunk_ranked(users, _) -> None:
+    fn = _chunk_listener["fn"]
+    if fn is not None:
+        fn(int(users))
+
+
 def _rank_all(params, users, ex_rows, ex_cols, rel_rows, rel_cols, num_rel, *,
-              scorer, ks, num_items, item_block, axes):
+              scorer, ks, num_items, item_block, axes, report=False):
     """Every chunk (`[C, ...]` inputs) in one `lax.scan`: `{name: [C, U]}` per-user metrics.
-    Inside `shard_map` (`axes`) each device scans its own chunks; the results are gathered."""
+    Inside `shard_map` (`axes`) each device scans its own chunks; the results are gathered.
+    With `report`, each chunk, once ranked, calls back the host with its number of users."""
     item_part = dict(scorer.rank_item_part(params))
     n_blocks = -(-num_items // item_block)
     padded = n_blocks * item_block
@@ -222,7 +235,10 @@ def _rank_all(params, users, ex_rows, ex_cols, rel_rows, rel_cols, num_rel, *,
             (n_blocks, item_block) + x.shape[1:]), item_part)
 
     def step(_, xs):
-        return None, _rank_chunk(params, blocks, *xs, scorer=scorer, ks=ks, num_items=num_items)
+        out = _rank_chunk(params, blocks, *xs, scorer=scorer, ks=ks, num_items=num_items)
+        if report:  # after the chunk's metrics (a data dependency), its real users' count
+            jax.debug.callback(_chunk_ranked, jnp.sum(xs[-1] > 0), jax.tree.leaves(out)[0][0])
+        return None, out
 
     _, out = jax.lax.scan(step, None, (users, ex_rows, ex_cols, rel_rows, rel_cols, num_rel))
     if axes:
@@ -231,9 +247,9 @@ def _rank_all(params, users, ex_rows, ex_cols, rel_rows, rel_cols, num_rel, *,
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(scorer, ks, num_items, item_block, mesh, axes):
+def _compiled(scorer, ks, num_items, item_block, mesh, axes, report=False):
     fn = functools.partial(_rank_all, scorer=scorer, ks=ks, num_items=num_items,
-                           item_block=item_block, axes=axes)
+                           item_block=item_block, axes=axes, report=report)
     if axes:
         spec = PartitionSpec(axes)
         fn = jax.shard_map(fn, mesh=mesh, in_specs=(PartitionSpec(),) + (spec,) * 6,
@@ -267,6 +283,7 @@ def full_ranking(
     item_block: int | None = None,
     mesh: Mesh | None = None,
     stats: dict | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Ranks all items for every user with held-out items; mean NDCG/Recall/Precision@K.
 
@@ -289,6 +306,9 @@ def full_ranking(
         `ranking_chunks`, from the platform and its free memory).
       mesh: a `(data, model)` mesh to shard the users over (None: one device).
       stats: if given, filled with `users`, `pairs`, `seconds`, `user_chunk`, `item_block`.
+      progress: if given, called on the host with the number of users of each chunk as it
+        is ranked (this process's devices; a device callback per chunk), e.g.
+        `ktx.runs.eval_progress.EvalProgress.add`. None: no callback is compiled in.
     Returns:
       `{"ndcg@10": ..., "recall@10": ..., "precision@10": ..., ...}` averaged over
       users with at least one held-out item.
@@ -333,8 +353,12 @@ def full_ranking(
         sharding = NamedSharding(mesh, PartitionSpec(axes))
         inputs = tuple(jax.make_array_from_callback(x.shape, sharding, lambda i, x=x: x[i])
                        for x in inputs)
-    fn = _compiled(scorer, ks, num_items, block, mesh if axes else None, axes)
-    per_user = jax.device_get(fn(params, *inputs))
+    fn = _compiled(scorer, ks, num_items, block, mesh if axes else None, axes, progress is not None)
+    _chunk_listener["fn"] = progress
+    try:
+        per_user = jax.device_get(fn(params, *inputs))
+    finally:
+        _chunk_listener["fn"] = None
     n_users = int((nrel > 0).sum())
     if stats is not None:
         stats.update(users=n_users, pairs=n_users * num_items, seconds=time.perf_counter() - t0,

@@ -29,9 +29,12 @@ from ktx import partitioning
 from ktx.data import feature_converter as fc
 from ktx.training.checkpoints import restore_params_skipping_corrupt
 from ktx.models.base import BaseModel
+from ktx.runs.eval_progress import EvalProgress
 from ktx.runs.run_dir import RunDir
 from ktx.training.summaries import MetricsWriter, per_task_metrics, quiet_absl
 from ktx.training.trainer import Trainer
+
+_log = logging.getLogger(__name__)  # ktx.cli prints it as `ktx: ...`
 
 __all__ = [
     "teacher_forced_eval",
@@ -305,10 +308,14 @@ class DecodeEvaluator:
         for task_id, name in enumerate(self.task_names):
             evaluator = self._evaluators[name]
 
-            def predict_fn(ds, task_id=task_id):
+            def predict_fn(ds, task_id=task_id, name=name):
                 out = []
+                total = int(ds.cardinality())  # < 0: unknown
+                progress = EvalProgress(f"decoding {name} ({self.split}) at step {step}",
+                                        total if total > 0 else None, "examples")
                 for index, batch, n in self._batches(ds, task_id):
                     tokens = self._predict(params, batch)[:n]
+                    progress.add(n)
                     # Fixed-length rows (0 after EOS), as seqio stacks them.
                     out.extend((int(i), [int(x) for x in t]) for i, t in zip(index, tokens))
                 return out
@@ -333,7 +340,7 @@ class DecodeEvaluator:
                 if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number):
                     results[name][k] = float(v)
                 else:  # seqio Text / Histogram values are not scalars
-                    logging.info("task %s: metric %s is not a scalar (%s); not logged",
+                    _log.info("task %s: metric %s is not a scalar (%s); not logged",
                                  name, k, type(v).__name__)
         if writer is not None:
             writer.write_tasks(step, f"{self.split}_decode", results)

@@ -29,7 +29,13 @@ import jax
 import numpy as np
 
 from ktx.runs.run_dir import RunDir
-from ktx.training.summaries import MetricsWriter, ProgressLogger, per_task_metrics, read_metrics
+from ktx.training.summaries import (
+    MetricsWriter,
+    ProgressLogger,
+    not_training,
+    per_task_metrics,
+    read_metrics,
+)
 
 __all__ = [
     "NonFiniteLossError",
@@ -294,7 +300,8 @@ class Evaluation:
         """Every evaluator at step `done`; True when early stopping says stop."""
         named = []
         for evaluator in self.evaluators:
-            results = evaluator(trainer=trainer, params=params, step=done, writer=self.writer)
+            with not_training():  # the progress line's rate and ETA are training's
+                results = evaluator(trainer=trainer, params=params, step=done, writer=self.writer)
             title = getattr(evaluator, "title", "evaluation")
             if isinstance(results, dict):
                 print_results(f"{title} at step {done}", results)

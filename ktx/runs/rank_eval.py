@@ -23,12 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from ktx import partitioning
 from ktx.training.checkpoints import restore_params_skipping_corrupt
 from ktx.data.recsys import MultiBehaviorData, subsample_users, training_exclusions
 from ktx.runs.eval import EvalSummary, abstract_params_for, select_checkpoint_steps
+from ktx.runs.eval_progress import EvalProgress
 from ktx.metrics.ranking import full_ranking
 from ktx.models.base import BaseModel
 from ktx.runs.run_dir import RunDir
@@ -79,9 +81,11 @@ class RankingEvaluator:
         self.user_chunk, self.item_block = user_chunk, item_block
         self.title = "evaluation"
 
-    def rank(self, model: Any, params: Any, mesh: Any = None) -> dict[str, float]:
+    def rank(self, model: Any, params: Any, mesh: Any = None, *,
+             step: int | None = None) -> dict[str, float]:
         """Mean metrics of `model` (a `ktx.metrics.ranking.RankingScorer`) at `params`,
-        the users split over `mesh` (a `jax.sharding.Mesh`; None: one device)."""
+        the users split over `mesh` (a `jax.sharding.Mesh`; None: one device). A ranking
+        that runs over 30 s prints progress lines (`ktx.runs.eval_progress`)."""
         for name in ("rank_user_part", "rank_item_part", "rank_scores"):
             if not hasattr(model, name):
                 raise TypeError(
@@ -95,15 +99,21 @@ class RankingEvaluator:
                 f"the model has {model.num_users} users x {model.num_items} items but the data "
                 f"{self.data.num_users} x {self.data.num_items}; set NUM_USERS / NUM_ITEMS"
             )
+        users = len(np.unique(np.asarray(self.heldout).reshape(-1, 2)[:, 0]))
+        if mesh is not None and jax.process_count() > 1:  # this process's devices' share
+            users = -(-users * len(jax.local_devices()) // max(mesh.devices.size, 1))
+        progress = EvalProgress(f"ranking {self.split}" + (f" at step {step}" if step is not None
+                                                           else ""), users, "users")
         return full_ranking(
             model, params, num_users=self.data.num_users, num_items=self.data.num_items,
             heldout=self.heldout, exclude=self.exclude, ks=self.ks,
             user_chunk=self.user_chunk, item_block=self.item_block, mesh=mesh,
+            progress=progress.add,
         )
 
     def __call__(self, *, trainer: Trainer, params: Any, step: int,
                  writer: MetricsWriter | None = None) -> dict[str, dict[str, float]]:
-        results = {self.data.target: self.rank(trainer.model, params, trainer.mesh)}
+        results = {self.data.target: self.rank(trainer.model, params, trainer.mesh, step=step)}
         if writer is not None:
             writer.write_tasks(step, f"{self.split}_ranking", results)
         return results

@@ -30,10 +30,26 @@ from ktx.runs.run_dir import RunDir
 __all__ = [
     "MetricsWriter",
     "ProgressLogger",
+    "not_training",
     "per_task_metrics",
     "quiet_absl",
     "read_metrics",
 ]
+
+# Seconds this process spent in `not_training` blocks (evaluations): the progress line's
+# step rate, and so its ETA, leaves them out.
+_not_training = {"seconds": 0.0}
+
+
+@contextlib.contextmanager
+def not_training():
+    """Time inside the block (an in-run evaluation) does not count in any
+    `ProgressLogger`'s steps/s, examples/s or ETA: they are training rates."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _not_training["seconds"] += time.perf_counter() - start
 
 
 
@@ -224,13 +240,17 @@ class ProgressLogger:
         self.stream = stream if stream is not None else sys.stdout
         self._last_step = start_step
         self._start = self._last_time = time.perf_counter()
+        self._last_excluded = _not_training["seconds"]
 
     def rates(self, step: int, examples_per_step: int) -> tuple[float, float]:
-        """`(steps/s, examples/s)` since the previous call; resets the window."""
+        """`(steps/s, examples/s)` of training since the previous call (time in
+        `not_training` blocks left out); resets the window."""
         now = time.perf_counter()
-        dt = max(now - self._last_time, 1e-9)
+        excluded = _not_training["seconds"] - self._last_excluded
+        dt = max(now - self._last_time - excluded, 1e-9)
         steps = step - self._last_step
         self._last_step, self._last_time = step, now
+        self._last_excluded = _not_training["seconds"]
         return steps / dt, steps * examples_per_step / dt
 
     def line(self, step: int, loss: float, steps_per_s: float, examples_per_s: float) -> str:
