@@ -56,6 +56,7 @@ from ktx.cli.gin_config import (
     parse_gin,
 )
 from ktx.cli import quiet
+from ktx.runs.preemption import EXIT_PREEMPTED, Preempted
 from ktx.runs.run_dir import RunDir
 
 __all__ = [
@@ -220,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GinConfigError as e:
         print(f"ktx: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # SIGTERM / SIGINT: checkpoint saved; the launchers resume
+        print(f"ktx {args.command}: {_first_line(e)}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except Exception as e:  # noqa: BLE001 - the CLI edge: one line, traceback to a file
         if args.debug:
             raise

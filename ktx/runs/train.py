@@ -24,6 +24,7 @@ import optax
 
 from ktx import partitioning
 from ktx.training.checkpoints import CheckpointManager, load_initial_params
+from ktx.runs.preemption import Preempted, PreemptionGuard
 from ktx.runs.hooks import (
     Checkpointing,
     EarlyStopping,
@@ -188,6 +189,9 @@ def train(
     mt_uncertainty_rows: int = 0,
     mt_uncertainty_proxies: Mapping[str, str] | None = None,
     steps_per_call: int = 1,
+    handle_preemption: bool = True,
+    preemption_timeout: float | None = 60.0,
+    preemption_check_period: int = 1,
 ) -> TrainState:
     """Trains `model` on `train_input` for `train_steps` steps (total, resumed runs
     included) and returns the final state.
@@ -248,8 +252,17 @@ def train(
         ends at every log, checkpoint and evaluation step, so those happen at the same
         steps and a run's losses, checkpoints and resume are those of `steps_per_call=1`
         (each distinct block length compiles once).
+      handle_preemption, preemption_timeout, preemption_check_period: SIGTERM and SIGINT
+        stop the run at the next step boundary on every process (the flags agreed there,
+        every `preemption_check_period` boundaries), after a synchronous checkpoint of
+        that step, by raising `ktx.runs.preemption.Preempted` (`ktx train` exits 75); a
+        boundary that does not come within `preemption_timeout` seconds of the signal (an
+        evaluation, the first compile) is not waited for: the process exits 75 without a
+        new checkpoint (`ktx.runs.preemption.PreemptionGuard`; docs/multihost.md).
     """
     check_train_input(train_input)
+    guard = PreemptionGuard(timeout_seconds=preemption_timeout,
+                            check_period=preemption_check_period) if handle_preemption else None
     if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int) \
             or steps_per_call < 1:
         raise ValueError(f"steps_per_call={steps_per_call!r}; accepted: an integer >= 1")
@@ -323,6 +336,9 @@ def train(
         if early_stopping_patience else None)
 
     prefetcher = None
+    # Signals before this point end the process as usual: nothing is trained yet.
+    if guard is not None:
+        guard.__enter__()
     try:
         if evaluation.resume(trainer, state.params, run.root, start):
             return state
@@ -330,6 +346,7 @@ def train(
             metrics.due(done) or checkpointing.due(done) or evaluation.due(done)))
         prefetcher = Prefetcher(train_input, trainer, start, train_steps, depth=prefetch_depth,
                                 plan=plan)
+        _phase(guard, "the first compile", metrics.last_good)
         for (step, batch, counts, wait), n in zip(prefetcher, plan):
             if n == 1:
                 state, step_metrics = trainer.train_step(state, batch, dropout_rng, counts)
@@ -342,9 +359,19 @@ def train(
                 metrics.flush(done)
             if checkpointing.due(done):
                 checkpointing.save(state, done, metrics)
-            if evaluation.due(done) and evaluation.run(trainer, state.params, done):
-                checkpointing.save(state, done, metrics, force=True)
-                break
+            # The last step ends the run anyway (its checkpoint is written above).
+            preemptible = guard is not None and done < train_steps
+            _phase(guard, f"training (after step {done})", metrics.last_good)
+            if preemptible and guard.should_stop(done):
+                _preemption_save(guard, checkpointing, checkpoints, state, done, metrics)
+            if evaluation.due(done):
+                _phase(guard, f"the evaluation at step {done}", metrics.last_good)
+                if evaluation.run(trainer, state.params, done):
+                    checkpointing.save(state, done, metrics, force=True)
+                    break
+                _phase(guard, f"training (after step {done})", metrics.last_good)
+                if preemptible and guard.should_stop(done):
+                    _preemption_save(guard, checkpointing, checkpoints, state, done, metrics)
         if train_steps == start and start > 0:
             print(f"Checkpoint step {start} already reached TRAIN_STEPS={train_steps}", flush=True)
     finally:
@@ -352,7 +379,24 @@ def train(
             prefetcher.close()
         checkpoints.close()
         writer.close()
+        if guard is not None:
+            guard.__exit__(None, None, None)
     return state
+
+
+def _phase(guard: PreemptionGuard | None, phase: str, last_checkpoint: int | None) -> None:
+    if guard is not None:
+        guard.phase, guard.last_checkpoint = phase, last_checkpoint
+
+
+def _preemption_save(guard: PreemptionGuard, checkpointing: Checkpointing,
+                     checkpoints: CheckpointManager, state: TrainState, done: int,
+                     metrics: TrainMetrics) -> None:
+    """The checkpoint of step `done`, written synchronously; then `Preempted`."""
+    guard.saving()
+    checkpointing.save(state, done, metrics, force=True)
+    checkpoints.wait()
+    raise Preempted(done, guard.reason or "a preemption signal", checkpoints.directory)
 
 
 def _restore_or_init(trainer: Trainer, run: RunDir, first_batch, seed: int,
