@@ -104,7 +104,9 @@ def test_misspelt_configurable_in_a_flag(workdir, capsys):
 def test_bad_value_names_its_flag(workdir, capsys):
     code, err = _train(capsys, "--gin.TRAIN_STEPS=1", "--gin.BATCH_SIZE=eight")
     assert code == 2
-    assert "--gin.BATCH_SIZE=eight" in err and "quotes" in err
+    assert "--gin.BATCH_SIZE=eight" in err and "accepted: an integer (--gin.BATCH_SIZE=" in err
+    code, err = _train(capsys, "--gin.TRAIN_STEPS=1", "--gin.MODEL_DIR=out")
+    assert code == 2 and "quotes: --gin.MODEL_DIR=\"'out'\"" in err  # a string: quote it
 
 
 @pytest.mark.parametrize("steps", ["0", "-3"])

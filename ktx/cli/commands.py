@@ -257,12 +257,12 @@ def _params_command(files, bindings) -> None:
     if ref is None:
         raise GinConfigError("`ktx params` needs a gin file binding the MODEL macro (gin/models/*.gin)")
 
-    @gin.configurable("ktx_params_command")
-    def _cmd(model=gin.REQUIRED):
-        return model
-
+    try:  # registered by an earlier `ktx params` in this process
+        configurable = gin.get_configurable("ktx_params_command")
+    except ValueError:
+        configurable = gin.configurable("ktx_params_command")(lambda model=gin.REQUIRED: model)
     gin.parse_config("ktx_params_command.model = %MODEL")
-    model = _cmd()
+    model = configurable()
     report = params_lib.count_parameters(model)
     print(params_lib.format_report(report, name=type(model).__name__))
 

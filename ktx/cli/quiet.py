@@ -126,6 +126,8 @@ class _QuietLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        for finder in [f for f in sys.meta_path if isinstance(f, _QuietTensorFlow)]:
+            sys.meta_path.remove(finder)  # once imported, tensorflow is found in sys.modules
         module.__loader__ = self._loader
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
@@ -138,13 +140,12 @@ class _QuietLoader(importlib.abc.Loader):
 
 
 class _QuietTensorFlow(importlib.abc.MetaPathFinder):
-    """Finds `tensorflow` once (the first import) and wraps its loader in `_QuietLoader`."""
+    """Finds `tensorflow` until it is imported (a lookup alone, `importlib.util.find_spec`
+    as etils does, imports nothing) and wraps its loader in `_QuietLoader`."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "tensorflow":
+        if fullname != "tensorflow" or fullname in sys.modules:
             return None
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
             spec.loader = _QuietLoader(spec.loader)

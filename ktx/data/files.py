@@ -52,9 +52,9 @@ BAD_ROW_POLICIES = ("raise", "skip")
 _BOM = "\ufeff"
 # How to switch to "skip", in every way that reaches the readers (the error message).
 SKIP_HOW_TO = (
-    "to skip and count such rows instead, add --gin.ON_BAD_ROW=\"'skip'\" to the ktx "
-    f"command (any run file), or set the environment variable "
-    f"{ON_BAD_ROW_ENV}=skip, or call ktx.data.files.set_on_bad_row('skip') in Python"
+    "to skip and count such rows instead, add `--gin.ON_BAD_ROW=\"'skip'\"` to the ktx "
+    f"command (any run file), or set `{ON_BAD_ROW_ENV}=skip` in the environment, or call "
+    "`ktx.data.files.set_on_bad_row('skip')` in Python"
 )
 _policy: dict[str, str | None] = {"default": None}
 _data_dir: dict[str, pathlib.Path | None] = {"default": None}
