@@ -150,8 +150,12 @@ def _precompile_kwargs(topology: str) -> dict:
 
 
 def _precompile_setup(gin_files, bindings, search_paths, topology: str) -> dict:
-    """In `ktx precompile`'s child process: the same gin parse as the parent's, then
-    `precompile`'s keyword arguments (`_precompile_kwargs`)."""
+    """In `ktx precompile`'s child process: the same quiet start and gin parse as the
+    parent's, then `precompile`'s keyword arguments (`_precompile_kwargs`). Its backends are
+    left alone: `topology_devices` sets libtpu's flags before libtpu loads."""
+    from ktx.cli import quiet
+
+    quiet.start()
     parse_gin(gin_files, bindings, search_paths)
     return _precompile_kwargs(topology)
 
