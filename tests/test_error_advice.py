@@ -5,6 +5,7 @@ command and checks that the command then runs."""
 import re
 import shlex
 
+import numpy as np
 import pytest
 
 from ktx import cli
@@ -126,3 +127,28 @@ def test_error_names_the_macro_a_user_sets(tmp_path, capsys):
     line = _one_line(capsys, "ktx params: ")
     assert "MIN_USER_PURCHASES=5, MIN_ITEM_BUYERS=5" in line and "min_user_purchases" not in line
     assert cli.main(base + ["--gin.MIN_USER_PURCHASES=1", "--gin.MIN_ITEM_BUYERS=1"]) == 0
+
+
+READERS = {  # reader, file text with one bad row (line 2), rows read with it skipped
+    "read_pair_file": (R.read_pair_file, "1 2\nu7 3\n4 5\n", 2),
+    "read_list_file": (R.read_list_file, "1 2 3\nu7 3\n4 5\n", 3),
+    "read_user_behavior": (R.read_user_behavior, "1,2,9,buy,1\nu7,3,9,buy,1\n4,5,9,pv,1\n", 2),
+    "read_movielens": (R.read_movielens, "1::2::5::1\nu7::3::5::1\n4::5::4::1\n", 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(READERS))
+def test_every_recommendation_reader_honours_the_environment(name, tmp_path, monkeypatch):
+    """KTX_ON_BAD_ROW (named by the error) reaches the readers that default to the process
+    policy; without it they raise naming the line."""
+    reader, text, rows = READERS[name]
+    path = tmp_path / "data.txt"
+    path.write_text(text)
+    with pytest.raises(files.DataFileError, match=r"data\.txt:2: .*KTX_ON_BAD_ROW=skip"):
+        reader(path)
+    monkeypatch.setenv(files.ON_BAD_ROW_ENV, "skip")
+    out = reader(path)
+    pairs = out if not isinstance(out, R.Interactions) else np.concatenate(list(out.pairs.values()))
+    assert len(pairs) == rows
+    with pytest.raises(files.DataFileError):  # an explicit policy still wins
+        reader(path, on_bad_row="raise")

@@ -263,14 +263,17 @@ def _read_cached(reader: Reader, path: str, mtime_ns: int, size: int, on_bad_row
 
 
 def read_rows(layout: Layout, split: str, data_dir: str | os.PathLike,
-              on_bad_row: str = "raise") -> tuple[Row, ...]:
-    """Rows of `split` from the official file, shaped like the TFDS features.
+              on_bad_row: str | None = None) -> tuple[Row, ...]:
+    """Rows of `split` from the official file, shaped like the TFDS features
+    (`on_bad_row` None: the process's policy, `ktx.data.files.get_on_bad_row`).
 
     Raises:
       ValueError: unknown split or policy.
       files.DataFileError: missing/empty file (naming the path and how to obtain it) or,
         with on_bad_row="raise", a malformed row (naming file and line).
     """
+    if on_bad_row is None:
+        on_bad_row = files.get_on_bad_row()
     if on_bad_row not in files.BAD_ROW_POLICIES:
         raise ValueError(f"on_bad_row={on_bad_row!r}; accepted: {files.BAD_ROW_POLICIES}")
     path = _locate(layout, split, pathlib.Path(data_dir))
@@ -309,12 +312,13 @@ class OfficialFilesSource(seqio.DataSource):
       data_dir: () -> data folder (e.g. `ktx.tasks.config.get_data_dir`).
       tfds_data_dir: () -> TFDS folder or None; TFDS is used for a split when the folder
         is set, the split has a TFDS counterpart and the data set is prepared there.
-      on_bad_row: () -> "raise" | "skip".
+      on_bad_row: () -> "raise" | "skip" (default: the process's policy,
+        `ktx.data.files.get_on_bad_row`).
     """
 
     def __init__(self, layout: Layout, data_dir: Callable[[], os.PathLike | str],
                  tfds_data_dir: Callable[[], str | None] = lambda: None,
-                 on_bad_row: Callable[[], str] = lambda: "raise"):
+                 on_bad_row: Callable[[], str] = files.get_on_bad_row):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout={layout!r}: expected a glue_sources.Layout")
         super().__init__(splits=tuple(layout.splits))
