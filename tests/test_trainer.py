@@ -459,7 +459,7 @@ def test_task_blocks_are_rounded_up_to_the_data_axis():
     def capacity(data, counts_seq):
         mesh = partitioning.create_mesh(8 // data)  # data x (8 / data) over the 8 devices
         tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi(),
-                                 mesh=mesh, weights_from_losses=False)
+                                 mesh=mesh, weights_from_losses=False, grad_method="blocks")
         for counts in counts_seq:
             got = tr._capacity_for(counts)
         return got
@@ -468,6 +468,27 @@ def test_task_blocks_are_rounded_up_to_the_data_axis():
     assert capacity(2, [(6, 5, 5, 0)]) == (6, 6, 6, 0)
     assert capacity(8, [(14, 2)]) == (16, 8)  # at most the batch
     assert capacity(8, [(15, 1)]) == (16, 8)
+
+
+def test_a_data_axis_takes_task_gradients_device_by_device():
+    """grad_method "auto" on a mesh with several `data` devices: the compile key is the
+    most tasks any device has held rows of (`ktx.optim.device_slots`), not block sizes."""
+    from ktx import optim
+
+    def key(data, counts_seq, **kw):
+        tr = trainer_lib.Trainer(ToyModel(), optax.sgd(0.1), balancer=optim.vanilla_multi(),
+                                 mesh=partitioning.create_mesh(8 // data),
+                                 weights_from_losses=False, **kw)
+        for counts in counts_seq:
+            got = tr._capacity_for(counts)
+        return got
+
+    assert key(4, [(6, 5, 5, 0)]) == ("devices", 2)  # rows 0-3 | 4-7 | 8-11 | 12-15
+    assert key(4, [(4, 4, 4, 4)]) == ("devices", 1)
+    assert key(4, [(4, 4, 4, 4), (6, 5, 5, 0), (4, 4, 4, 4)]) == ("devices", 2)  # the most
+    assert key(8, [(14, 2)]) == ("devices", 1)
+    assert key(1, [(6, 5, 5, 0)]) == (6, 5, 5, 0)  # one data device: exact task blocks
+    assert key(4, [(6, 5, 5, 0)], num_microbatches=2) is None  # the VJP engine: no blocks
 
 
 def test_diagnostics_only_on_log_steps_against_the_target_task():

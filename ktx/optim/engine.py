@@ -16,6 +16,11 @@ parameters, stacked on a leading task axis, from inside a jitted train step:
   (still one compiled program).
 * `method="vjp"` (any batch): one forward pass, then a vmapped vector-Jacobian product
   over the one-hot task cotangents `e_t / normalizer_t`.
+* `method="devices"` (under a mesh whose `data` axis has several devices): every device
+  differentiates its own rows, once per task among them (`slots`), and the devices'
+  gradients are added up by task into `[T, ...]` shards split over `data`
+  (`ktx.optim.device_slots`): one backward pass of FLOPs with rows grouped by task, no
+  block padded to the `data` axis, and `T` gradient shards per device.
 * `method="auto"`: blocks when `task_counts` is given, vjp otherwise.
 
 `loss_weighted_gradient` is the shortcut for balancers whose weights depend on the losses
@@ -48,7 +53,7 @@ __all__ = [
     "split_shared",
 ]
 
-METHODS = ("auto", "blocks", "vjp")
+METHODS = ("auto", "blocks", "vjp", "devices")
 
 LossSumsFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -182,6 +187,36 @@ def _check_layout(task_id: Any, counts: tuple[int, ...]) -> None:
             raise _layout_error(counts, int(index), int(value))
 
     jax.debug.callback(fail_if, mismatch.any(), first, jnp.asarray(task_id)[first])
+
+
+def _check_slots(task_id: Any, slots: int) -> None:
+    """Every device's rows (`task_id` split into the mesh's `data` equal ranges) hold at
+    most `slots` distinct tasks: checked now for a concrete array, in the step (a host
+    callback that raises) for a traced one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    ways = 1 if mesh.empty else dict(mesh.shape).get(DATA, 1)
+
+    def most(ids):
+        ids = np.asarray(ids).reshape(ways, -1)
+        return max(len(np.unique(r)) for r in ids)
+
+    def message(n):
+        return (f"slots={slots} but a device holds rows of {n} tasks; the batch must be "
+                "grouped by task (ktx.runs.train.TrainInput) with at most `slots` tasks "
+                "per device (ktx.optim.device_slots.device_slots)")
+
+    if not isinstance(task_id, jax.core.Tracer):
+        n = most(task_id)
+        if n > slots:
+            raise ValueError(message(n))
+        return
+
+    def fail_if(ids):
+        n = most(ids)
+        if n > slots:
+            raise ValueError(message(n))
+
+    jax.debug.callback(fail_if, task_id)
 
 
 def _own_entries(per_block: Any, present: Sequence[int], num_tasks: int) -> Any:
@@ -360,6 +395,8 @@ def compute_task_gradients(
     sparse_tables: Sequence[str] | None = None,
     task_capacity: Sequence[int] | None = None,
     check_layout: bool = True,
+    slots: int | None = None,
+    scatter_dims: Sequence[int | None] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], TaskGradients]:
     """Per-task losses and gradients (call inside `jax.jit`).
 
@@ -378,6 +415,12 @@ def compute_task_gradients(
         traced batches, a host callback in the step that raises). The `Trainer` checks
         each batch on the host before it is sharded and passes False: a per-step
         callback costs as much as the rest of the balanced overhead on small steps.
+      slots: `method="devices"`: the most tasks among any device's rows (static;
+        `ktx.optim.device_slots.device_slots` of the counts). With `check_layout`, a
+        batch with more is an error raised from the step.
+      scatter_dims: `method="devices"`: per parameter leaf, the dimension its per-task
+        gradients are split over `data` along (None: kept whole); default: the largest
+        dimension divisible by the `data` axis.
       shared: which parameters keep a task axis (see `ktx.optim.selection.shared_mask`).
       sparse_tables: regexes selecting `nn.Embed` tables (e.g. `r"_embedding/embedding$"`)
         whose per-task gradients are kept as `SparseRows` (see `ktx.optim.sparse`);
@@ -398,6 +441,20 @@ def compute_task_gradients(
     normalizer = jax.lax.stop_gradient(jnp.asarray(normalizer))
     if normalizer.shape != (num_tasks,):
         raise ValueError(f"normalizer has shape {normalizer.shape}; expected ({num_tasks},)")
+    if method == "devices":
+        from ktx.optim.device_slots import per_device_task_gradients
+
+        if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= num_tasks:
+            raise ValueError(f"method='devices' needs slots in [1, {num_tasks}] (the most tasks "
+                             f"among any device's rows); got {slots!r}")
+        if "task_id" not in batch:
+            raise ValueError("method='devices' needs the batch's task_id")
+        if check_layout:
+            _check_slots(batch["task_id"], slots)
+        sums, aux, grads = per_device_task_gradients(
+            loss_sums_fn, normalizer, params, batch, num_tasks=num_tasks, slots=slots,
+            scatter_dims=scatter_dims)
+        return sums / normalizer, aux, split_shared(grads, params, shared)
     if method == "blocks":
         if task_counts is None and task_capacity is None:
             raise ValueError(

@@ -91,7 +91,11 @@ class StepOptions:
 
     Attributes:
       num_microbatches: gradient accumulation factor M (divides the batch).
-      grad_method: balanced path: "auto" | "blocks" | "vjp" (`compute_task_gradients`).
+      grad_method: balanced path: "auto" | "blocks" | "vjp" | "devices"
+        (`compute_task_gradients`). The `Trainer` turns "auto" into "devices" on a mesh
+        whose `data` axis has several devices (task-partitioned batches, one microbatch):
+        each device differentiates its own rows, and no task block is padded to the
+        `data` axis (`ktx.optim.device_slots`).
       shared: balanced path: regexes of balanced parameters (None: the engine's default).
       sparse_tables: balanced path: regexes of embedding tables whose per-task gradients
         stay sparse (looked-up rows only, `ktx.optim.sparse`). Needs M = 1. None (the
@@ -100,6 +104,12 @@ class StepOptions:
         none.
       task_capacity: balanced path: static rows per task block (the most each task has
         had); the counts themselves are read from `task_id` in the step.
+      device_slots: balanced path, `grad_method="devices"`: the most tasks among any
+        device's rows (static; the `Trainer` tracks the most seen, as for blocks).
+      scatter_dims: with `device_slots`: per parameter leaf, the dimension its per-task
+        gradients are split over `data` along (None: whole); the `Trainer` takes the
+        dimension the parameter is split over `data` along, else the largest one the
+        axis divides that is not split over `model`.
       check_layout: balanced path: check in the step that the rows are grouped by task as
         the blocks promise (False when the host already checked, `Trainer.global_batch`).
       regroup_by_task: the global batch is process-grouped (`[p0: t0 t1 ..][p1: t0 t1 ..]
@@ -139,6 +149,8 @@ class StepOptions:
     shared: tuple[str, ...] | None = None
     sparse_tables: tuple[str, ...] | None = None
     task_capacity: tuple[int, ...] | None = None
+    device_slots: int | None = None
+    scatter_dims: tuple[int | None, ...] | None = None
     check_layout: bool = True
     regroup_by_task: bool = False
     diagnostics_period: int = 1
@@ -153,9 +165,9 @@ class StepOptions:
         m = self.num_microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"num_microbatches={m!r}; accepted: an integer >= 1")
-        if self.grad_method not in ("auto", "blocks", "vjp"):
-            raise ValueError(
-                f"grad_method={self.grad_method!r}; accepted: 'auto', 'blocks', 'vjp'")
+        if self.grad_method not in ("auto", "blocks", "vjp", "devices"):
+            raise ValueError(f"grad_method={self.grad_method!r}; accepted: 'auto', 'blocks', "
+                             "'vjp', 'devices'")
         d = self.diagnostics_period
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
             raise ValueError(f"diagnostics_period={d!r}; accepted: an int >= 0 (0: never)")
@@ -179,7 +191,7 @@ class StepOptions:
         u = self.uncertainty_rows
         if isinstance(u, bool) or not isinstance(u, int) or u < 0:
             raise ValueError(f"uncertainty_rows={u!r}; accepted: an int >= 0 (0: off)")
-        if u and self.grad_method == "blocks":
+        if u and self.grad_method in ("blocks", "devices"):
             raise ValueError("grad_method='blocks' with MT-uncertainty sampling "
                              f"(uncertainty_rows={u}): the selected rows are not task blocks; "
                              "accepted: 'auto' or 'vjp'")
@@ -366,6 +378,11 @@ def train_step(
                 rows = group_rows_by_task(rows)  # process-grouped -> the blocks' task order
 
             def task_grads(mb):
+                if blocked and options.device_slots:
+                    return optim.compute_task_gradients(
+                        loss_sums, normalizer, params, mb, num_tasks=num_tasks,
+                        shared=options.shared, method="devices", slots=options.device_slots,
+                        scatter_dims=options.scatter_dims, check_layout=options.check_layout)
                 return optim.compute_task_gradients(
                     loss_sums, normalizer, params, mb,
                     num_tasks=num_tasks, shared=options.shared,
@@ -541,6 +558,17 @@ def _zeros_batch(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     return {k: jnp.zeros(v.shape, v.dtype) for k, v in batch.items()}
 
 
+def _flops_per_step(jitted: Any, state: Any, batch: Any, rng: Any) -> float | None:
+    """XLA's cost analysis of the executable `jitted` just ran for these arguments (JAX
+    caches it: no compile here): the FLOPs one device runs per step (a scan of K steps
+    is counted once per loop body: one step). None when XLA gives no count."""
+    cost = jitted.lower(state, batch, rng).compile().cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops is not None and flops >= 0 else None
+
+
 class Trainer:
     """Builds the sharded `TrainState` and compiles `train_step` / `train_steps` /
     `eval_step` on a mesh.
@@ -606,7 +634,11 @@ class Trainer:
         self.mesh = mesh if mesh is not None else partitioning.create_mesh(1)
         self.rules = tuple(rules) if rules is not None else partitioning.standard_logical_axis_rules()
         self._compiled: dict[Any, Any] = {}
+        # XLA's FLOPs per device of one step of each compiled variant (`last_step_flops`).
+        self._step_flops: dict[Any, float | None] = {}
+        self.last_step_flops: float | None = None
         self._capacity: tuple[int, ...] | None = None  # per-task block sizes seen so far
+        self._slots: int | None = None  # the most tasks on one device seen so far
         self._step_mirror: tuple[Any, int] | None = None  # (the last returned step, its value)
         self._eval_compiled = None
         self.state_shardings = None
@@ -750,8 +782,44 @@ class Trainer:
             return dict(batch)
         return partitioning.host_local_to_global(batch, self.mesh, batch_axis)
 
-    def _capacity_for(self, task_counts: Any, log: bool | None = None) -> tuple[int, ...] | None:
-        """Static per-task block sizes: the most rows each task has had so far (one count
+    def _devices_method(self) -> bool:
+        """Whether balanced steps take per-task gradients device by device
+        (`grad_method="devices"`, `ktx.optim.device_slots`): "auto" or "devices" on a mesh
+        whose `data` axis has several devices, with task blocks usable (one microbatch, no
+        uncertainty sampling). One device keeps the task blocks, which are exact there."""
+        data = int(self.mesh.shape[partitioning.DATA])
+        return (data > 1 and self.options.grad_method in ("auto", "devices")
+                and _task_blocks(self.options))
+
+    def _scatter_dims(self) -> tuple[int | None, ...]:
+        """Per parameter leaf, the dimension its per-task gradients are split over `data`
+        along: the one the parameter itself is split over `data` along
+        (`parameter_partitioning_dims=2`), else the largest one the axis divides that is
+        not split over `model`, else None (kept whole: small vectors)."""
+        from ktx.optim.device_slots import default_scatter_dim
+
+        data = int(self.mesh.shape[partitioning.DATA])
+        out = []
+        for leaf, sh in zip(jax.tree.leaves(self.abstract_state.params),
+                            jax.tree.leaves(self.state_shardings.params)):
+            spec = tuple(sh.spec) + (None,) * (leaf.ndim - len(tuple(sh.spec)))
+
+            def names(entry):
+                return entry if isinstance(entry, tuple) else (entry,)
+
+            on_data = [k for k, e in enumerate(spec) if partitioning.DATA in names(e)]
+            on_model = [k for k, e in enumerate(spec) if partitioning.MODEL in names(e)]
+            if on_data and not set(on_data) & set(on_model):
+                out.append(on_data[0])
+            else:
+                out.append(default_scatter_dim(leaf.shape, data, avoid=on_model))
+        return tuple(out)
+
+    def _capacity_for(self, task_counts: Any, log: bool | None = None) -> Any:
+        """The static shape of the balanced step's per-task gradients, the key of its
+        compile: on a mesh with several `data` devices (`_devices_method`), `("devices",
+        slots)`, the most tasks any device has held rows of (`ktx.optim.device_slots`);
+        else per-task block sizes, the most rows each task has had so far (one count
         tuple, or one per batch of a `[K, B, ...]` block), rounded up to a multiple of the
         mesh's `data` axis. None when the step builds no task blocks (plain; the
         loss-weighted shortcut without diagnostics, or in a step compiled without them,
@@ -762,12 +830,20 @@ class Trainer:
         if _weights_from_losses(self.optimizer, self.options) and not self.options.diagnostics_period:
             return None
         steps = per_step_counts(task_counts)
+        data = int(self.mesh.shape[partitioning.DATA])
+        if self._devices_method():
+            from ktx.optim.device_slots import device_slots
+
+            slots = max(device_slots(c, data) for c in steps)
+            self._slots = max(self._slots or 1, slots)
+            if log is False and _weights_from_losses(self.optimizer, self.options):
+                return None
+            return ("devices", self._slots)
         counts = tuple(max(int(c[t]) for c in steps) for t in range(len(steps[0])))
         # Each block is rounded up to a multiple of the `data` axis (at most the batch):
         # a block that does not divide evenly over it gave NaN losses under XLA's SPMD
         # partitioner with a 2-way `model` axis (ktx train, 4 x 2 mesh, blocks of 5 and 6
         # rows); the extra rows are neighbours' rows, which the engine computes and drops.
-        data = int(self.mesh.shape[partitioning.DATA])
         rows = sum(int(c) for c in steps[0])
         counts = tuple(min(-(-c // data) * data, rows) for c in counts)
         if self._capacity is None or len(self._capacity) != len(counts):
@@ -807,9 +883,13 @@ class Trainer:
                 log = False
         capacity = self._capacity_for(task_counts, log)
         global_batch = self.global_batch(batch, task_counts, batch_axis=0 if steps is None else 1)
+        key = (capacity, steps is not None, log)
         with self._context():
-            new_state, metrics = self._compiled_step(capacity, steps is not None, log)(
-                state, global_batch, rng)
+            fn = self._compiled_step(*key)
+            new_state, metrics = fn(state, global_batch, rng)
+            if key not in self._step_flops:
+                self._step_flops[key] = _flops_per_step(fn, new_state, global_batch, rng)
+        self.last_step_flops = self._step_flops[key]
         if step is not None:
             self._step_mirror = (new_state.step, step + (steps or 1))
         return new_state, metrics
@@ -817,8 +897,13 @@ class Trainer:
     def _compiled_step(self, task_capacity, stacked: bool, log: bool | None = None):
         key = (task_capacity, stacked, log)
         if key not in self._compiled:
-            options = dataclasses.replace(self.options, task_capacity=task_capacity,
-                                          check_layout=False, log_diagnostics=log)
+            if task_capacity is not None and task_capacity[0] == "devices":
+                fields = dict(task_capacity=None, device_slots=task_capacity[1],
+                              scatter_dims=self._scatter_dims())
+            else:
+                fields = dict(task_capacity=task_capacity)
+            options = dataclasses.replace(self.options, **fields, check_layout=False,
+                                          log_diagnostics=log)
             fn = functools.partial(train_steps if stacked else train_step, model=self.model,
                                    optimizer=self.optimizer, options=options)
             batch_sharding = NamedSharding(
@@ -880,8 +965,9 @@ class Trainer:
         `.compile()` on it for XLA's memory and cost analyses (`ktx.training.precompile`).
 
         `task_counts` (a balanced step): the batch's rows per task, as `train_step` takes
-        them; its task blocks are then the ones `train_step` compiles for them (rounded up
-        to the `data` axis). `task_capacity` gives the block sizes as they are instead.
+        them; its per-task gradients are then computed as `train_step` computes them
+        (device by device on a mesh with several `data` devices, else task blocks rounded
+        up to the `data` axis). `task_capacity` gives block sizes as they are instead.
         `log_diagnostics` picks the variant (`StepOptions.log_diagnostics`; None, the
         default: the step with the diagnostics' `lax.cond`, what a block of steps runs)."""
         if self.state_shardings is None:
@@ -891,7 +977,10 @@ class Trainer:
                 raise ValueError("lower_train_step: give task_counts or task_capacity, not both")
             task_capacity = self._capacity_for(tuple(int(c) for c in task_counts),
                                                log_diagnostics)
-        capacity = None if task_capacity is None else tuple(int(c) for c in task_capacity)
+        if task_capacity is None or task_capacity[0] == "devices":
+            capacity = task_capacity
+        else:
+            capacity = tuple(int(c) for c in task_capacity)
         with self._context():
             return self._compiled_step(capacity, False, log_diagnostics).lower(state, batch, rng)
 

@@ -1,0 +1,160 @@
+"""Per-task gradients on a mesh at one backward pass: each device differentiates its own rows.
+
+The loss is a sum over rows and every row belongs to one task, so the gradient of task t
+is the sum over devices of the gradient of the device's rows of task t. `method="devices"`
+of `ktx.optim.compute_task_gradients` computes it that way, inside a `jax.shard_map` that
+is manual over the mesh's `data` axis (the `model` axis stays with XLA's partitioner):
+
+1. Each device runs one forward pass over its `B / data` rows and one vector-Jacobian
+   product per *slot*: slot j is the j-th task present among the device's rows (its
+   cotangent `e_t / normalizer_t`). With the rows grouped by task, a device holds the rows
+   of one task, or of two where a task boundary falls inside its rows; `slots` (static)
+   is the most any device holds (`device_slots`). With one slot the device does exactly
+   what the plain step does: one forward and one backward pass over its rows.
+2. The devices' slot gradients `[slots, *shape]` are exchanged with one `all_to_all` over
+   `data` along a parameter dimension divisible by the axis (`scatter_dims`): afterwards
+   each device holds `1 / data` of every device's slot gradients, `[data * slots, ...,
+   shape[k] / data, ...]`, and adds them up by task (a segment sum) into `[T, ...,
+   shape[k] / data, ...]`. Per device this moves what the plain step's gradient
+   reduce-scatter moves, and keeps `T` gradient shards laid out like the parameters
+   (split over `data` along dimension k, the dimension the parameter itself is split
+   over `data` along with `parameter_partitioning_dims=2`). A parameter with no such
+   dimension (small vectors) is all-gathered and summed: `[T, *shape]` on every device.
+3. The per-task sums and aux sums are `psum`med over `data`.
+
+No task block is padded to the `data` axis (the blocks path rounds every block up to a
+multiple of it: 16 rows of a task on a 128-way axis computed 128 rows), and no device
+holds all T gradients of a whole parameter that is split over `data`. The balancers
+then take norms, Grams and the weighted combination of the sharded `[T, ...]` leaves;
+XLA reduces the `[T]` / `[T, T]` partial sums over `data`.
+
+Inside the manual region the model's activation constraints lose their `batch -> data`
+rule (the rows are already split): the logical axis rules are the caller's with `data`
+mapped to None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ktx.partitioning import DATA
+
+__all__ = ["device_slots", "per_device_task_gradients", "default_scatter_dim"]
+
+
+def device_slots(counts: Sequence[int], data: int) -> int:
+    """The most tasks any device holds rows of, for a batch grouped by task with `counts`
+    rows per task and split into `data` equal contiguous row ranges (at least 1)."""
+    counts = [int(c) for c in counts]
+    rows = sum(counts)
+    if data < 1 or rows % data:
+        raise ValueError(f"device_slots: {rows} rows do not split over data={data} devices")
+    per = rows // data
+    ends = np.cumsum(counts)
+    starts = ends - np.asarray(counts)
+    most = 1
+    for d in range(data):
+        lo, hi = d * per, (d + 1) * per
+        n = sum(1 for s, e, c in zip(starts, ends, counts) if c and s < hi and e > lo)
+        most = max(most, n)
+    return most
+
+
+def default_scatter_dim(shape: Sequence[int], ways: int, avoid: Sequence[int] = ()) -> int | None:
+    """The largest dimension of `shape` divisible by `ways` (not one of `avoid`, the
+    dimensions split over `model`), or None."""
+    best = None
+    for k, n in enumerate(shape):
+        if k in avoid or n % ways or n < ways:
+            continue
+        if best is None or n > shape[best]:
+            best = k
+    return best
+
+
+def _rules_without_data() -> tuple:
+    rules = nn.get_logical_axis_rules()
+    return tuple((name, None if axis == DATA else axis) for name, axis in rules)
+
+
+def per_device_task_gradients(
+    loss_sums_fn,
+    normalizer: jax.Array,
+    params: Any,
+    batch: dict,
+    *,
+    num_tasks: int,
+    slots: int,
+    scatter_dims: Sequence[int | None] | None = None,
+) -> tuple[jax.Array, Any, Any]:
+    """`(sums [T], aux, grads)`: the batch's per-task loss sums and aux sums, and the
+    params-structured per-task gradients `[T, *shape]` (split over `data` along
+    `scatter_dims[i]` for leaf i; see the module docstring). Call inside `jax.jit` under a
+    mesh (`jax.set_mesh`) whose `data` axis has more than one device and divides the rows.
+
+    `slots` must be at least the number of distinct tasks among any device's rows
+    (`device_slots`); a device's tasks beyond it would be dropped, so callers that do not
+    know the layout check it (`check_slots`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA not in mesh.axis_names:
+        raise ValueError("method='devices' needs a mesh with a 'data' axis (jax.set_mesh)")
+    ways = dict(mesh.shape)[DATA]
+    leaves, treedef = jax.tree.flatten(params)
+    if scatter_dims is None:
+        scatter_dims = [default_scatter_dim(x.shape, ways) for x in leaves]
+    scatter_dims = list(scatter_dims)
+    if len(scatter_dims) != len(leaves):
+        raise ValueError(f"scatter_dims has {len(scatter_dims)} entries for {len(leaves)} "
+                         "parameters")
+    for x, k in zip(leaves, scatter_dims):
+        if k is not None and (k >= x.ndim or x.shape[k] % ways):
+            raise ValueError(f"scatter_dims: dimension {k} of a parameter of shape {x.shape} "
+                             f"does not split over data={ways}")
+    rows = {v.shape[0] for v in batch.values()}
+    if len(rows) != 1 or next(iter(rows)) % ways:
+        raise ValueError(f"method='devices': the batch's {rows} rows must split evenly over "
+                         f"data={ways} devices")
+    rules = _rules_without_data()
+
+    def local(p, b, norm):
+        with nn.logical_axis_rules(rules):
+            present = jnp.bincount(b["task_id"], length=num_tasks) > 0
+            (tasks,) = jnp.nonzero(present, size=slots, fill_value=num_tasks)
+            sums, vjp_fn, aux = jax.vjp(lambda q: loss_sums_fn(q, b), p, has_aux=True)
+            # Slot j's cotangent: e_{tasks[j]} / normalizer (zero for an unused slot).
+            cot = jax.nn.one_hot(tasks, num_tasks, dtype=sums.dtype) / norm.astype(sums.dtype)
+            grads = jax.vmap(lambda c: vjp_fn(c)[0])(cot)  # [slots, *shape] per leaf
+        all_tasks = jax.lax.all_gather(tasks, DATA, tiled=True)  # [data * slots]
+        out = []
+        for g, k in zip(jax.tree.leaves(grads), scatter_dims):
+            if k is None:
+                g = jax.lax.all_gather(g, DATA, tiled=True)
+            else:
+                g = jax.lax.all_to_all(g, DATA, split_axis=k + 1, concat_axis=0, tiled=True)
+            out.append(jax.ops.segment_sum(g, all_tasks, num_segments=num_tasks))
+        sums = jax.lax.psum(sums, DATA)
+        aux = jax.tree.map(lambda a: jax.lax.psum(a, DATA), aux)
+        return sums, aux, treedef.unflatten(out)
+
+    def spec(k, ndim):
+        if k is None:
+            return PartitionSpec()
+        return PartitionSpec(*([None] * (k + 1)), DATA, *([None] * (ndim - k - 1)))
+
+    grad_specs = treedef.unflatten([spec(k, x.ndim) for x, k in zip(leaves, scatter_dims)])
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(DATA), PartitionSpec()),
+        out_specs=(PartitionSpec(), PartitionSpec(), grad_specs),
+        axis_names={DATA},
+        check_vma=False,
+    )
+    return fn(params, dict(batch), normalizer)
