@@ -40,7 +40,8 @@ class _VaryingInput(ToyInput):
 
 def _records(model_dir):
     rows = [json.loads(x) for x in (model_dir / "metrics.jsonl").read_text().splitlines()]
-    drop = ("steps_per_s", "examples_per_s", "input_wait_fraction")
+    drop = ("steps_per_s", "examples_per_s", "input_wait_fraction", "tokens_per_s",
+            "nonpad_tokens_per_s", "tflops_per_device", "mfu")  # rates: time-dependent
     return [{k: v for k, v in r.items() if k not in drop} for r in rows]
 
 

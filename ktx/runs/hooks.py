@@ -72,17 +72,21 @@ class TrainMetrics:
       train_steps, start_step: for the progress line.
       log_period: steps between fetches.
       last_good: the latest checkpoint step (named when a loss is non-finite).
+      throughput: a `ktx.training.throughput.Throughput` the loop adds each step's FLOPs
+        and tokens to: its rates (tokens/s, TFLOP/s per device, MFU) join the period's
+        metrics and the progress line.
     """
 
     def __init__(self, writer: MetricsWriter, task_names: Sequence[str], *, train_steps: int,
                  start_step: int, log_period: int, checkpoint_dir: Any = None,
-                 last_good: int | None = None):
+                 last_good: int | None = None, throughput: Any = None):
         if isinstance(log_period, bool) or not isinstance(log_period, int) or log_period < 1:
             raise ValueError(f"log_period={log_period!r}; accepted: an integer >= 1")
         self.writer, self.task_names = writer, tuple(task_names)
         self.train_steps, self.log_period = train_steps, log_period
         self.progress = ProgressLogger(train_steps, start_step=start_step)
         self.checkpoint_dir, self.last_good = checkpoint_dir, last_good
+        self.throughput = throughput
         self.pending: list[tuple[int, dict]] = []
         self.input_seconds = 0.0
         self._period_start = time.perf_counter()
@@ -146,12 +150,17 @@ class TrainMetrics:
             total["param_norm"] = float(fetched[-1]["param_norm"])
         total.update(steps_per_s=steps_per_s, examples_per_s=examples_per_s,
                      input_wait_fraction=self.input_seconds / elapsed)
+        rates = {}
+        if self.throughput is not None:  # over the period's training time
+            rates = self.throughput.rates(len(fetched) / max(steps_per_s, 1e-9))
+            total.update(rates)
         # Diagnostics are computed on log steps only (the last of the period).
         logged = [m for m in fetched if bool(m.get("diagnostics_logged", False))]
         for key in (logged[-1]["diagnostics"] if logged else {}):
             total[key] = float(logged[-1]["diagnostics"][key])
         self.writer.write_tasks(done, "train", by_task)
-        self.progress.log(done, total["objective"], steps_per_s, examples_per_s)
+        self.progress.log(done, total["objective"], steps_per_s, examples_per_s,
+                          self.throughput.describe(rates) if self.throughput is not None else "")
         self.pending, self.input_seconds = [], 0.0
         self._period_start = time.perf_counter()
         return by_task

@@ -37,6 +37,7 @@ from ktx.training.optimizers import TaskOptimizer
 from ktx.runs.run_dir import RunDir
 from ktx.training.summaries import MetricsWriter
 from ktx.training.mt_uncertainty import check_proxies, proxy_indices
+from ktx.training.throughput import Throughput, device_peak, token_counts
 from ktx.training.trainer import Trainer, TrainState
 
 __all__ = ["TrainInput", "check_train_input", "NonFiniteLossError", "Prefetcher", "EarlyStopping",
@@ -91,7 +92,9 @@ class Prefetcher:
     the step, so prefetching changes nothing in what a step sees.
 
     Iterating yields `(step, global_batch, task_counts, wait_seconds)`, where
-    `wait_seconds` is the time the loop blocked waiting for that batch. With a `plan`
+    `wait_seconds` is the time the loop blocked waiting for that batch; `tokens.pop(step)`
+    is then this process's `(non-padding, all)` tokens of the item
+    (`ktx.training.throughput.token_counts`). With a `plan`
     (block lengths summing to `stop - start`, `steps_per_call`), an item of length
     `n > 1` holds the `n` batches of steps `step .. step + n - 1` stacked `[n, B, ...]`
     with their `n` count tuples (`Trainer.train_steps`).
@@ -108,12 +111,16 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._n = len(plan)
+        self.tokens: dict[int, tuple[int, int]] = {}
 
         def block(step, n):
             if n == 1:
                 counts = train_input.task_counts(step)
-                return trainer.global_batch(train_input.get_batch(step), counts), counts
+                host = train_input.get_batch(step)
+                self.tokens[step] = token_counts(host)
+                return trainer.global_batch(host, counts), counts
             batches = [train_input.get_batch(s) for s in range(step, step + n)]
+            self.tokens[step] = tuple(map(sum, zip(*(token_counts(b) for b in batches))))
             counts = [train_input.task_counts(s) for s in range(step, step + n)]
             counts = None if any(c is None for c in counts) else counts
             stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
@@ -192,6 +199,7 @@ def train(
     handle_preemption: bool = True,
     preemption_timeout: float | None = 60.0,
     preemption_check_period: int = 1,
+    peak_tflops: float | None = None,
 ) -> TrainState:
     """Trains `model` on `train_input` for `train_steps` steps (total, resumed runs
     included) and returns the final state.
@@ -259,10 +267,16 @@ def train(
         boundary that does not come within `preemption_timeout` seconds of the signal (an
         evaluation, the first compile) is not waited for: the process exits 75 without a
         new checkpoint (`ktx.runs.preemption.PreemptionGuard`; docs/multihost.md).
+      peak_tflops: a measured peak (TFLOP/s per device) for the MFU of the train metrics;
+        None: the device's published peak (`ktx.training.throughput.device_peak`; on a
+        CPU there is none and MFU is n/a). Every log step reports tokens/s (all and
+        non-padding), examples/s, the step's TFLOP/s per device (XLA's cost analysis
+        of the compiled step) and MFU.
     """
     check_train_input(train_input)
     guard = PreemptionGuard(timeout_seconds=preemption_timeout,
                             check_period=preemption_check_period) if handle_preemption else None
+    throughput = Throughput(*device_peak(peak_tflops=peak_tflops))
     if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int) \
             or steps_per_call < 1:
         raise ValueError(f"steps_per_call={steps_per_call!r}; accepted: an integer >= 1")
@@ -325,7 +339,7 @@ def train(
     writer = MetricsWriter(run.root, resume_step=start)
     metrics = TrainMetrics(writer, task_names, train_steps=train_steps, start_step=start,
                            log_period=log_period, checkpoint_dir=checkpoints.directory,
-                           last_good=checkpoints.latest_step())
+                           last_good=checkpoints.latest_step(), throughput=throughput)
     checkpointing = Checkpointing(checkpoints, task_names, train_steps)
     for evaluator in evaluators:
         if hasattr(evaluator, "use_train_input"):
@@ -354,6 +368,7 @@ def train(
             else:
                 state, step_metrics = trainer.train_steps(state, batch, dropout_rng, counts)
                 metrics.add_stacked(step, n, step_metrics, wait)
+            throughput.add(n, trainer.last_step_flops, prefetcher.tokens.pop(step, None))
             done = step + n
             if metrics.due(done):
                 metrics.flush(done)

@@ -261,6 +261,9 @@ class ProgressLogger:
             f" | eta {_duration(remaining)}"
         )
 
-    def log(self, step: int, loss: float, steps_per_s: float, examples_per_s: float) -> None:
+    def log(self, step: int, loss: float, steps_per_s: float, examples_per_s: float,
+            extra: str = "") -> None:
+        """Prints the line, then ` | extra` (the throughput: tokens/s, TFLOP/s, MFU)."""
         if jax.process_index() == 0:
-            print(self.line(step, loss, steps_per_s, examples_per_s), file=self.stream, flush=True)
+            line = self.line(step, loss, steps_per_s, examples_per_s)
+            print(line + (f" | {extra}" if extra else ""), file=self.stream, flush=True)
