@@ -25,6 +25,7 @@ import optax
 from ktx import partitioning
 from ktx.training.checkpoints import CheckpointManager, load_initial_params
 from ktx.runs.preemption import Preempted, PreemptionGuard
+from ktx.runs.profiling import ProfileWindow, check_profile_steps
 from ktx.runs.hooks import (
     Checkpointing,
     EarlyStopping,
@@ -200,6 +201,7 @@ def train(
     preemption_timeout: float | None = 60.0,
     preemption_check_period: int = 1,
     peak_tflops: float | None = None,
+    profile_steps: Sequence[int] | None = None,
 ) -> TrainState:
     """Trains `model` on `train_input` for `train_steps` steps (total, resumed runs
     included) and returns the final state.
@@ -272,6 +274,8 @@ def train(
         CPU there is none and MFU is n/a). Every log step reports tokens/s (all and
         non-padding), examples/s, the step's TFLOP/s per device (XLA's cost analysis
         of the compiled step) and MFU.
+      profile_steps: `(start, stop)`: a `jax.profiler` trace of steps `start .. stop - 1`
+        under `<model_dir>/profile/` (PROFILE_STEPS; `ktx.runs.profiling`).
     """
     check_train_input(train_input)
     guard = PreemptionGuard(timeout_seconds=preemption_timeout,
@@ -281,6 +285,7 @@ def train(
             or steps_per_call < 1:
         raise ValueError(f"steps_per_call={steps_per_call!r}; accepted: an integer >= 1")
     train_steps = _resolve_train_steps(train_input, train_steps, train_epochs)
+    profile_steps = check_profile_steps(profile_steps, train_steps)
     checkpoint_period = _resolve_period("checkpoint_period", checkpoint_period, train_input)
     eval_period = _resolve_period("eval_period", eval_period, train_input)
     evaluators = tuple(evaluators or ())
@@ -350,6 +355,8 @@ def train(
         if early_stopping_patience else None)
 
     prefetcher = None
+    profile = ProfileWindow(profile_steps, run.root, process_index=jax.process_index(),
+                            process_count=jax.process_count())
     # Signals before this point end the process as usual: nothing is trained yet.
     if guard is not None:
         guard.__enter__()
@@ -357,11 +364,13 @@ def train(
         if evaluation.resume(trainer, state.params, run.root, start):
             return state
         plan = _block_plan(start, train_steps, steps_per_call, lambda done: (
-            metrics.due(done) or checkpointing.due(done) or evaluation.due(done)))
+            metrics.due(done) or checkpointing.due(done) or evaluation.due(done)
+            or profile.boundary(done)))
         prefetcher = Prefetcher(train_input, trainer, start, train_steps, depth=prefetch_depth,
                                 plan=plan)
         _phase(guard, "the first compile", metrics.last_good)
         for (step, batch, counts, wait), n in zip(prefetcher, plan):
+            profile.before(step)
             if n == 1:
                 state, step_metrics = trainer.train_step(state, batch, dropout_rng, counts)
                 metrics.add(step, step_metrics, wait)
@@ -370,6 +379,7 @@ def train(
                 metrics.add_stacked(step, n, step_metrics, wait)
             throughput.add(n, trainer.last_step_flops, prefetcher.tokens.pop(step, None))
             done = step + n
+            profile.after(done, state)
             if metrics.due(done):
                 metrics.flush(done)
             if checkpointing.due(done):
@@ -390,6 +400,7 @@ def train(
         if train_steps == start and start > 0:
             print(f"Checkpoint step {start} already reached TRAIN_STEPS={train_steps}", flush=True)
     finally:
+        profile.close()
         if prefetcher is not None:
             prefetcher.close()
         checkpoints.close()
