@@ -1,6 +1,7 @@
-"""Greedy and beam-search decoding over a key/value cache, jit-able (`lax.while_loop`).
+"""Greedy, sampled and beam-search decoding over a key/value cache, jit-able
+(`lax.while_loop`).
 
-Both functions are model-agnostic: they drive `tokens_to_logits(ids, cache) -> (logits,
+The functions are model-agnostic: they drive `tokens_to_logits(ids, cache) -> (logits,
 new_cache)`, where `ids` `[N, 1]` are the previous tokens of `N` sequences and `logits`
 `[N, V]` score the next one. `cache` is any pytree whose leaves have the batch `N` as
 leading axis (scalar leaves, e.g. cache indices, are shared by all sequences); with
@@ -14,6 +15,13 @@ ranks finished ones by `log p / length_penalty(length)`, with the GNMT length pe
 `((5 + length) / 6) ** alpha` (Wu et al., 2016, "Google's Neural Machine Translation
 System"), as T5X's `decoding.beam_search` does. It stops early once no live beam can
 beat the worst finished one.
+
+Sampling (`temperature_sample`, T5X's `decoding.temperature_sample`) draws each next
+token from `softmax(logits / temperature)`, restricted to the `top_k` most likely tokens
+and then to the smallest set of them whose probability reaches `top_p` (nucleus
+sampling, Holtzman et al., 2020). Row `i`'s draw at position `t` uses
+`fold_in(fold_in(rng, row_ids[i]), t)`, so a sample depends on the seed and the row's
+id only, not on the batch it is decoded in; temperature 0 is greedy decoding.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["NEG_INF", "brevity_penalty", "greedy_decode", "beam_search"]
+__all__ = ["NEG_INF", "brevity_penalty", "check_sampling", "greedy_decode", "beam_search",
+           "temperature_sample"]
 
 NEG_INF = -1.0e7
 
@@ -82,6 +91,95 @@ def greedy_decode(
         logits, cache = tokens_to_logits(ids, s.cache)
         log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
         next_ids = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)
+        chosen = jnp.take_along_axis(log_probs, next_ids[:, None], axis=-1)[:, 0]
+        next_ids = jnp.where(s.finished, 0, next_ids)
+        total = s.log_probs + jnp.where(s.finished, 0.0, chosen)
+        sequences = lax.dynamic_update_slice_in_dim(s.sequences, next_ids[:, None], s.index + 1, 1)
+        finished = s.finished | (next_ids == eos_id)
+        return _GreedyState(s.index + 1, sequences, total, finished, cache)
+
+    final = lax.while_loop(cond, body, state)
+    return final.sequences[:, 1:], final.log_probs
+
+
+# ------------------------------------------------------------------------------------
+# Sampling.
+# ------------------------------------------------------------------------------------
+
+
+def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
+    """ValueError naming the first sampling setting out of range and what is accepted."""
+    number = (int, float)
+    if isinstance(temperature, bool) or not isinstance(temperature, number) or not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r}; accepted: a number >= 0 (0: greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r}; accepted: None (no top-k cut) or an integer >= 1")
+    if isinstance(top_p, bool) or not isinstance(top_p, number) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}; accepted: a number in (0, 1] (1: no nucleus cut)")
+
+
+def _sample_ids(key: jax.Array, logits: jax.Array, temperature: float, top_k: int | None,
+                top_p: float) -> jax.Array:
+    """One token id drawn from one row's `logits [V]` (see the module doc)."""
+    vocab = logits.shape[-1]
+    k = vocab if top_k is None else min(top_k, vocab)
+    if k == vocab and top_p >= 1.0:
+        return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+    values, ids = lax.top_k(logits / temperature, k)  # sorted, most likely first
+    if top_p < 1.0:
+        probs = jax.nn.softmax(values)
+        before = jnp.cumsum(probs) - probs  # mass of the more likely tokens
+        values = jnp.where(before < top_p, values, -jnp.inf)  # the first always stays
+    return ids[jax.random.categorical(key, values)].astype(jnp.int32)
+
+
+def temperature_sample(
+    tokens_to_logits: TokensToLogits,
+    initial_cache: Any,
+    batch_size: int,
+    max_decode_length: int,
+    *,
+    rng: jax.Array,
+    row_ids: jax.Array | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    eos_id: int = 1,
+    decoder_start_id: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """Samples each next token (temperature, top-k, top-p; the module doc).
+
+    `rng` is a key; `row_ids` `[B]` int (default `0 .. B - 1`) name the rows whose draws
+    are independent. Returns `(tokens [B, L] int32, log_probs [B])` as `greedy_decode`:
+    the EOS kept, 0 after it; `log_probs` sums the model's (untempered) log-probabilities
+    of the drawn tokens up to and including the EOS. `temperature=0` is `greedy_decode`.
+    """
+    _check(batch_size, max_decode_length)
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return greedy_decode(tokens_to_logits, initial_cache, batch_size, max_decode_length,
+                             eos_id=eos_id, decoder_start_id=decoder_start_id)
+    if row_ids is None:
+        row_ids = jnp.arange(batch_size, dtype=jnp.int32)
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.asarray(row_ids, jnp.int32))
+    sequences = jnp.zeros((batch_size, max_decode_length + 1), jnp.int32)
+    sequences = sequences.at[:, 0].set(decoder_start_id)
+    state = _GreedyState(
+        jnp.array(0, jnp.int32), sequences, jnp.zeros((batch_size,), jnp.float32),
+        jnp.zeros((batch_size,), bool), initial_cache,
+    )
+
+    def cond(s: _GreedyState):
+        return (s.index < max_decode_length) & ~jnp.all(s.finished)
+
+    def body(s: _GreedyState):
+        ids = lax.dynamic_slice_in_dim(s.sequences, s.index, 1, axis=1)  # [B, 1]
+        logits, cache = tokens_to_logits(ids, s.cache)
+        logits = jnp.asarray(logits, jnp.float32)
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, s.index))(row_keys)
+        next_ids = jax.vmap(lambda key, row: _sample_ids(key, row, temperature, top_k, top_p))(
+            keys, logits)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
         chosen = jnp.take_along_axis(log_probs, next_ids[:, None], axis=-1)[:, 0]
         next_ids = jnp.where(s.finished, 0, next_ids)
         total = s.log_probs + jnp.where(s.finished, 0.0, chosen)

@@ -44,7 +44,7 @@ from ktx.models.base import (
 
 __all__ = ["EncoderDecoderModel", "weighted_cross_entropy", "infusion_term", "DECODE_METHODS"]
 
-DECODE_METHODS = ("greedy", "beam")
+DECODE_METHODS = ("greedy", "beam", "sample")
 _REQUIRED = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens",
              "decoder_loss_weights", "task_id")
 _PACKING = ("encoder_segment_ids", "encoder_positions", "decoder_segment_ids", "decoder_positions")
@@ -337,6 +337,10 @@ class EncoderDecoderModel(BaseModel):
         decode_method: str = "greedy",
         num_beams: int = 4,
         alpha: float = 0.6,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int = 0,
         max_decode_length: int | None = None,
         return_scores: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -346,10 +350,14 @@ class EncoderDecoderModel(BaseModel):
         `max_decode_length`, else the length of `decoder_input_tokens` or
         `decoder_target_tokens`. With `return_scores`, also `[B]` scores (greedy: sum of
         log-probs; beam: length-penalised, see `ktx.models.decoding.beam_search`).
+        `decode_method="sample"`: `temperature`, `top_k`, `top_p` and `seed`
+        (`ktx.models.decoding.temperature_sample`; row `i` draws with the key of
+        `batch["decode_row"][i]`, default its position in the batch).
         Jit-able (all keyword arguments are static).
         """
         sequences, scores = self.decode_batch(
             params, batch, decode_method=decode_method, num_beams=num_beams, alpha=alpha,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             max_decode_length=max_decode_length,
         )
         tokens = sequences[:, 0]
@@ -365,12 +373,18 @@ class EncoderDecoderModel(BaseModel):
         decode_method: str = "greedy",
         num_beams: int = 4,
         alpha: float = 0.6,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int = 0,
         max_decode_length: int | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """Raw decoder output: `(sequences [B, K, Ld], scores [B, K])`, best first, EOS
-        kept (0 after it); `K = 1` for greedy, `num_beams` for beam search."""
+        kept (0 after it); `K = 1` for greedy and sampling, `num_beams` for beam search."""
         if decode_method not in DECODE_METHODS:
             raise ValueError(f"decode_method={decode_method!r}; accepted: {DECODE_METHODS}")
+        if decode_method == "sample":
+            decoding.check_sampling(temperature, top_k, top_p)
         if "encoder_input_tokens" not in batch:
             raise ValueError(f"batch needs 'encoder_input_tokens'; it has {sorted(batch)}")
         if max_decode_length is None:
@@ -419,6 +433,13 @@ class EncoderDecoderModel(BaseModel):
             tokens, scores = decoding.greedy_decode(
                 tokens_to_logits, cache, bsz, max_decode_length,
                 eos_id=self.eos_id, decoder_start_id=self.decoder_start_id,
+            )
+            return tokens[:, None], scores[:, None]
+        if decode_method == "sample":
+            tokens, scores = decoding.temperature_sample(
+                tokens_to_logits, cache, bsz, max_decode_length, rng=jax.random.key(seed),
+                row_ids=batch.get("decode_row"), temperature=temperature, top_k=top_k,
+                top_p=top_p, eos_id=self.eos_id, decoder_start_id=self.decoder_start_id,
             )
             return tokens[:, None], scores[:, None]
         return decoding.beam_search(

@@ -29,6 +29,7 @@ from ktx import partitioning
 from ktx.data import feature_converter as fc
 from ktx.training.checkpoints import restore_params_skipping_corrupt
 from ktx.models.base import BaseModel
+from ktx.models.decoding import check_sampling
 from ktx.runs.eval_progress import EvalProgress
 from ktx.runs.run_dir import RunDir
 from ktx.training.summaries import MetricsWriter, per_task_metrics, quiet_absl
@@ -231,6 +232,10 @@ class DecodeEvaluator:
       batch_size: global decode batch size (divisible by the data-parallel size).
       num_examples: evaluate at most this many examples per task (None: all).
       decode_method, num_beams, alpha: passed to `model.predict_batch`.
+      temperature, top_k, top_p, seed: `decode_method="sample"`
+        (`ktx.models.decoding.temperature_sample`; each example draws with the key of
+        `(seed, its index in the split)`: an evaluation is reproducible and does not
+        depend on the batch size).
     """
 
     def __init__(
@@ -244,9 +249,15 @@ class DecodeEvaluator:
         decode_method: str = "greedy",
         num_beams: int = 4,
         alpha: float = 0.6,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int = 0,
     ):
         if not task_names:
             raise ValueError("task_names is empty")
+        if decode_method == "sample":
+            check_sampling(temperature, top_k, top_p)
         self.task_names = tuple(task_names)
         self.task_feature_lengths = dict(task_feature_lengths)
         self.split = split
@@ -255,6 +266,8 @@ class DecodeEvaluator:
         self.decode_kwargs = dict(decode_method=decode_method)
         if decode_method == "beam":
             self.decode_kwargs.update(num_beams=num_beams, alpha=alpha)
+        if decode_method == "sample":
+            self.decode_kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         self._evaluators = None
         self._predict = None
         self._score = None
@@ -285,6 +298,8 @@ class DecodeEvaluator:
             n = len(index)
             batch = fc.add_task_id({k: np.asarray(v) for k, v in features.items()}, task_id,
                                    np.int32)
+            if self.decode_kwargs["decode_method"] == "sample":  # keys the example's draws
+                batch["decode_row"] = np.asarray(index, np.int32)
             yield np.asarray(index), _local_rows(_pad(batch, self.batch_size)), n
 
     def __call__(
@@ -429,6 +444,10 @@ def evaluate(
     decode_method: str = "greedy",
     num_beams: int = 4,
     alpha: float = 0.6,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int = 0,
     output_dir: str | os.PathLike | None = None,
     evaluators: Sequence[Evaluator] | None = None,
 ) -> EvalSummary:
@@ -458,7 +477,7 @@ def evaluate(
         evaluators = [DecodeEvaluator(
             task_names, task_feature_lengths, split=split, batch_size=batch_size,
             num_examples=num_examples, decode_method=decode_method, num_beams=num_beams,
-            alpha=alpha)]
+            alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)]
     elif not evaluators:
         raise ValueError("evaluate(evaluators=[]): give at least one Evaluator, or None "
                          "(SeqIO decoding)")

@@ -30,6 +30,7 @@ from ktx.training.checkpoints import resolve_checkpoint, restore_params
 from ktx.data import feature_converter as fc
 from ktx.runs.eval import _local_rows, _pad, _strip, abstract_params_for, make_predict_fn
 from ktx.models.base import BaseModel
+from ktx.models.decoding import check_sampling
 from ktx.training.trainer import Trainer
 
 __all__ = ["infer", "encode_batch"]
@@ -70,14 +71,25 @@ def infer(
     decode_method: str = "greedy",
     num_beams: int = 4,
     alpha: float = 0.6,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int = 0,
     leaderboard: str | None = None,
     leaderboard_dir: str | os.PathLike | None = None,
 ) -> int:
     """Writes predictions of `checkpoint_path` (a run dir, checkpoints dir or step dir;
     latest step unless `checkpoint_step`) for `split` of each task; returns the number
     of lines written. `leaderboard` ("glue" | "super_glue"): decode the benchmark's test
-    splits and write its submission files into `leaderboard_dir` (see the module doc)."""
+    splits and write its submission files into `leaderboard_dir` (see the module doc).
+    `decode_method`: "greedy", "beam" (`num_beams`, `alpha`) or "sample" (`temperature`,
+    `top_k`, `top_p`, `seed`: `ktx.models.decoding.temperature_sample`; example `i` of a
+    split draws with the key of `(seed, i)`, so its sample does not depend on the batch
+    size)."""
     import seqio
+
+    if decode_method == "sample":
+        check_sampling(temperature, top_k, top_p)
 
     from ktx.data.pipeline import mixture_task_names
 
@@ -103,6 +115,8 @@ def infer(
     kwargs = dict(decode_method=decode_method)
     if decode_method == "beam":
         kwargs.update(num_beams=num_beams, alpha=alpha)
+    if decode_method == "sample":
+        kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     predict = make_predict_fn(model, trainer, **kwargs)
     output_file = pathlib.Path(output_file)
     output_file.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +136,10 @@ def infer(
             examples = list(ds.as_numpy_iterator())
             for start in range(0, len(examples), batch_size):
                 chunk = examples[start:start + batch_size]
-                batch = _local_rows(_pad(encode_batch(chunk, task_id, task_feature_lengths), batch_size))
+                batch = _pad(encode_batch(chunk, task_id, task_feature_lengths), batch_size)
+                if decode_method == "sample":  # the example's index keys its draws
+                    batch["decode_row"] = np.arange(start, start + batch_size, dtype=np.int32)
+                batch = _local_rows(batch)
                 tokens = predict(params, batch)[: len(chunk)]
                 for i, (ex, toks) in enumerate(zip(chunk, tokens)):
                     ids = _strip(toks)
