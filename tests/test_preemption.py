@@ -45,8 +45,8 @@ def _launch(model_gin, model_dir, logs, processes: int) -> list:
     ]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     logs.mkdir(parents=True, exist_ok=True)
-    if processes == 1:
-        commands = [[KTX, "train", *flags]]
+    if processes == 1:  # and async checkpoints: the preemption save still completes
+        commands = [[KTX, "train", *flags, "--gin.train_script.train.async_checkpoints=True"]]
     else:
         port = _free_port()
         commands = [[KTX, "train", *flags, "--multihost", f"--coordinator_address=localhost:{port}",
