@@ -17,11 +17,11 @@ import optax
 import pytest
 
 from ktx import partitioning
+from ktx.training.initial_params import load_initial_params
 from ktx.training.checkpoints import (
     CheckpointManager,
     CheckpointShapeError,
     CorruptCheckpointError,
-    load_initial_params,
     resolve_checkpoint,
     restore_params,
 )
@@ -142,7 +142,7 @@ _ONE_DEVICE_LOAD = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import flax.linen as nn
     import jax, jax.numpy as jnp, numpy as np
-    from ktx.training.checkpoints import load_initial_params
+    from ktx.training.initial_params import load_initial_params
     from tests.test_trainer import ToyInput, ToyModel
 
     assert jax.device_count() == 1, jax.devices()

@@ -207,7 +207,7 @@ def analyze_checkpoint(
 ) -> dict[str, Any]:
     """`analyze_attention` on the parameters of a run's checkpoint (a run dir, its
     `checkpoints/` dir or a step dir); every parameter must be in the checkpoint."""
-    from ktx.training import checkpoints
+    from ktx.training import initial_params
 
     batches = list(batches)
     if not batches:
@@ -218,7 +218,7 @@ def analyze_checkpoint(
 
     abstract = nn.meta.unbox(jax.eval_shape(init, jax.random.key(0)))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
-    params, report = checkpoints.load_initial_params(checkpoint, abstract, zeros, step)
+    params, report = initial_params.load_initial_params(checkpoint, abstract, zeros, step)
     if report.initialized:
         raise ValueError(
             f"checkpoint {checkpoint}: parameters missing for this model (wrong gin files?): "

@@ -71,7 +71,7 @@ MODEL_TYPES = ("bert",)
 # Top-level parameter scopes a model started from a BERT checkpoint may have without the
 # checkpoint holding them (task heads; the pooler of an MLM checkpoint) or may leave unused
 # (the MLM head of a classifier; the new top layers `shared_layers` of
-# `EncoderClassifierModel(shared_layers=k)`): `ktx.training.checkpoints.load_initial_params`
+# `EncoderClassifierModel(shared_layers=k)`): `ktx.training.initial_params.load_initial_params`
 # initializes or skips them and reports it.
 PARTIAL_SCOPES = ("pooler", "mlm", "task_heads", "shared_layers")
 _ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new"}

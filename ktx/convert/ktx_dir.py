@@ -6,7 +6,7 @@
     OUT/checkpoints/0/state       orbax: step 0, the parameters, no optimizer state
     OUT/checkpoints/0/meta        JSON: step, source, t5_config (the T5Config fields)
 
-which `ktx.training.checkpoints.load_initial_params` / `resolve_checkpoint` read like a run
+which `ktx.training.initial_params.load_initial_params` / `ktx.training.checkpoints.resolve_checkpoint` read like a run
 directory (`INITIAL_CHECKPOINT_PATH = 'OUT'`). `export_checkpoint(SRC, "hf:DIR")` reads
 the parameters of a ktx run or checkpoint (latest step or `step`) and writes a Hugging
 Face T5 or BERT directory; `export_checkpoint(SRC, "t5x:DIR")` a T5X checkpoint.

@@ -46,7 +46,7 @@ __all__ = [
 
 DISEASE_IOB_LABELS = ("O", "B-Disease", "I-Disease")
 MEDIQA_REFERENCE_SCORES = (1, 2, 3, 4)
-NLI_LABELS = ("entailment", "neutral", "contradiction")
+NLI_LABELS = biomed_metrics.NLI_LABELS  # the metrics define the label set
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ import numpy as np
 
 __all__ = [
     "MENTION_SEPARATOR",
+    "NLI_LABELS",
     "NO_MENTION",
     "CORRECT_MIN_REFERENCE_SCORE",
     "iob_to_spans",
@@ -51,6 +52,9 @@ CORRECT_MIN_REFERENCE_SCORE = 3
 
 _TAG = re.compile(r"^(?:O|([BI])-(.+))$")
 _SPACES = re.compile(r"\s+")
+
+# MedNLI's (and SNLI's) three gold labels; the data readers check rows against them.
+NLI_LABELS = ("entailment", "neutral", "contradiction")
 
 
 def iob_to_spans(tags: Sequence[str]) -> list[tuple[int, int, str]]:
@@ -272,8 +276,6 @@ def postprocess_mentions(output: str, example=None, is_target: bool = False) -> 
 
 def postprocess_nli_label(output: str, example=None, is_target: bool = False) -> str:
     """The label name, or "invalid" for text that is no label (scored as wrong)."""
-    from ktx.data.biomed_sources import NLI_LABELS  # the data module imports this one
-
     del example, is_target
     label = output.strip()
     return label if label in NLI_LABELS else "invalid"

@@ -23,7 +23,8 @@ import numpy as np
 import optax
 
 from ktx import partitioning
-from ktx.training.checkpoints import CheckpointManager, load_initial_params
+from ktx.training.checkpoints import CheckpointManager
+from ktx.training.initial_params import load_initial_params
 from ktx.runs.preemption import Preempted, PreemptionGuard
 from ktx.runs.profiling import ProfileWindow, check_profile_steps
 from ktx.runs.hooks import (

@@ -10,7 +10,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from ktx import cli, convert
-from ktx.training.checkpoints import CheckpointShapeError, load_initial_params
+from ktx.training.checkpoints import CheckpointShapeError
+from ktx.training.initial_params import load_initial_params
 from tests.convert.conftest import checkpoint_fixture
 
 

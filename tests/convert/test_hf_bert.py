@@ -21,6 +21,7 @@ import pytest
 
 from ktx import convert
 from ktx.training import checkpoints
+from ktx.training import initial_params
 from ktx.convert import hf_bert
 from ktx.convert.safetensors_io import read_safetensors, write_safetensors
 from ktx.models import bert, encoder
@@ -131,7 +132,7 @@ def test_import_and_initial_params_into_classifier(tmp_path):
     spec = model.input_spec(2, {"inputs": 10})
     init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), spec)["params"]))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
-    params, report = checkpoints.load_initial_params(f"hf:{folder}", abstract, init)
+    params, report = initial_params.load_initial_params(f"hf:{folder}", abstract, init)
     assert set(report.initialized) == {"pooler/kernel", "pooler/bias", "task_heads/task_0/kernel",
                                        "task_heads/task_0/bias", "task_heads/task_1/kernel",
                                        "task_heads/task_1/bias"}
@@ -152,7 +153,7 @@ def test_checkpoint_config_that_disagrees_with_the_gin_model_is_named():
     batch = {"input_ids": jnp.ones((2, 8), jnp.int32)}
     abstract = jax.eval_shape(lambda: nn.unbox(model.init_variables(jax.random.key(0), batch)["params"]))
     with pytest.raises(checkpoints.CheckpointShapeError) as e:
-        checkpoints.load_initial_params(f"hf:{folder}", abstract,
+        initial_params.load_initial_params(f"hf:{folder}", abstract,
                                         lambda names: jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
                                                                    abstract))
     assert "embeddings/word_embeddings/embedding: checkpoint (" in str(e.value)

@@ -15,7 +15,8 @@ import pytest
 from safetensors import safe_open
 
 from ktx import convert
-from ktx.training.checkpoints import load_initial_params, resolve_checkpoint, restore_params
+from ktx.training.checkpoints import resolve_checkpoint, restore_params
+from ktx.training.initial_params import load_initial_params
 from ktx.models import t5
 from tests.convert.conftest import checkpoint_fixture
 

@@ -25,7 +25,7 @@ import pytest
 
 from ktx import cli, convert
 from ktx import partitioning
-from ktx.training import checkpoints
+from ktx.training import initial_params
 from ktx.training import trainer as trainer_lib
 from ktx.convert import camtl as camtl_convert
 from ktx.convert.safetensors_io import read_safetensors, write_safetensors
@@ -241,11 +241,11 @@ def test_import_writes_a_loadable_checkpoint(tmp_path):
     assert isinstance(model, camtl.CaMtlClassifierModel) and model.camtl.variant == "large"
     init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), batch)["params"]))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
-    params, report = checkpoints.load_initial_params(str(out), abstract, init)
+    params, report = initial_params.load_initial_params(str(out), abstract, init)
     assert report.initialized == ()
     _check_heads(model, params, ref, batch)
     # `camtl:DIR` works as an initial checkpoint too (converted on the fly).
-    params, report = checkpoints.load_initial_params(f"camtl:{folder}", abstract, init)
+    params, report = initial_params.load_initial_params(f"camtl:{folder}", abstract, init)
     assert report.initialized == ()
     _check_heads(model, params, ref, batch)
 
@@ -336,6 +336,6 @@ def test_a_bert_checkpoint_fills_the_backbone():
     spec = model.input_spec(2, {"inputs": 16})
     init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), spec)["params"]))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
-    params, report = checkpoints.load_initial_params(f"hf:{folder}", abstract, init)
+    params, report = initial_params.load_initial_params(f"hf:{folder}", abstract, init)
     assert {p.split("/")[0] for p in report.initialized} == {"conditioning", "pooler", "task_heads"}
     assert all(p.startswith(("embeddings/", "layers_")) for p in report.restored)

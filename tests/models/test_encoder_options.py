@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ktx.models import bert, camtl, encoder, pals, tea
-from ktx.training import checkpoints, optimizers
+from ktx.training import optimizers
+from ktx.training import initial_params
 from ktx.training import trainer as trainer_lib
 
 B, L = 8, 8  # 8 rows: the 8 fake CPU devices' data axis
@@ -225,7 +226,7 @@ def test_a_bert_checkpoint_leaves_the_shared_layer_at_init():
     spec = model.input_spec(2, {"inputs": 16})
     init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), spec)["params"]))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
-    _, report = checkpoints.load_initial_params(f"hf:{folder}", abstract, init)
+    _, report = initial_params.load_initial_params(f"hf:{folder}", abstract, init)
     assert {p.split("/")[0] for p in report.initialized} >= {"shared_layers", "task_heads"}
     assert not any(p.startswith("shared_layers/") for p in report.restored)
 

@@ -234,7 +234,7 @@ def test_starts_from_a_bert_checkpoint():
     """`hf:DIR` as INITIAL_CHECKPOINT_PATH fills the backbone (BERT's names); the PALs,
     heads and the absent pooler start from their initializers."""
     from ktx import convert
-    from ktx.training import checkpoints
+    from ktx.training import initial_params
 
     folder = FIXTURE.parent / "checkpoints" / "hf_bert_tiny"
     if not (folder / "config.json").is_file():
@@ -244,7 +244,7 @@ def test_starts_from_a_bert_checkpoint():
     spec = model.input_spec(2, {"inputs": 10})
     init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), spec)["params"]))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
-    params, report = checkpoints.load_initial_params(f"hf:{folder}", abstract, init)
+    params, report = initial_params.load_initial_params(f"hf:{folder}", abstract, init)
     assert {p.split("/")[0] for p in report.initialized} == {"conditioning", "pooler", "task_heads"}
     word = convert.read_hf_bert(folder).params["embeddings"]["word_embeddings"]["embedding"]
     np.testing.assert_array_equal(params["embeddings"]["word_embeddings"]["embedding"], word)
@@ -257,7 +257,7 @@ def test_import_writes_a_loadable_checkpoint(imported, tmp_path):
     import gin
 
     from ktx import cli, convert
-    from ktx.training import checkpoints
+    from ktx.training import initial_params
 
     out = tmp_path / "imported"
     assert cli.main(["import", f"pals:{FIXTURE}", str(out)]) == 0
@@ -277,7 +277,7 @@ def test_import_writes_a_loadable_checkpoint(imported, tmp_path):
     init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), batch)["params"]))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
     for source in (str(out), f"pals:{FIXTURE}"):
-        params, report = checkpoints.load_initial_params(source, abstract, init)
+        params, report = initial_params.load_initial_params(source, abstract, init)
         assert report.initialized == ()
         np.testing.assert_allclose(model.logits(params, batch)[0], np.asarray(ref["logits"]["0"]),
                                    **TOL)

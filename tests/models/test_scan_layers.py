@@ -229,6 +229,7 @@ def test_initial_checkpoint_of_the_other_layout(tmp_path, saved_scanned):
     """INITIAL_CHECKPOINT_PATH of the other layer layout is converted on the way in; with
     conversion off it is one clear error (not a silent re-initialisation of the layers)."""
     from ktx.training import checkpoints
+    from ktx.training import initial_params
     from ktx.training.trainer import TrainState
 
     unrolled, scanned = _models()
@@ -240,14 +241,14 @@ def test_initial_checkpoint_of_the_other_layout(tmp_path, saved_scanned):
     target = scanned if not saved_scanned else unrolled
     init = jax.tree.map(np.zeros_like, _params(target))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
-    params, report = checkpoints.load_initial_params(tmp_path, abstract, init)
+    params, report = initial_params.load_initial_params(tmp_path, abstract, init)
     assert not report.initialized and not report.unused
     expected = scan_layout.convert_layout(source, scanned=not saved_scanned)
     jax.tree.map(np.testing.assert_array_equal, params, expected)
     want = r"holds the scanned .* model is unrolled .*scan_layers=True" if saved_scanned else (
         r"holds the unrolled .* model is scanned .*scan_layers=False")
     with pytest.raises(checkpoints.CheckpointShapeError, match=want):
-        checkpoints.load_initial_params(tmp_path, abstract, init, convert_layout=False)
+        initial_params.load_initial_params(tmp_path, abstract, init, convert_layout=False)
 
 
 def test_attention_analysis_scanned_equals_unrolled():

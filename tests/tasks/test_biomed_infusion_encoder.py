@@ -19,7 +19,7 @@ from ktx import cli
 from ktx.data import files, mlm_features, wordpiece
 from ktx.data.pipeline import MultiTaskInput
 from ktx.tasks import biomed_infusion
-from ktx.training import checkpoints
+from ktx.training import initial_params
 from tests.tasks._fixtures import root, write  # noqa: F401
 
 MASK, BLANK, V = 4, 5, 50
@@ -188,7 +188,7 @@ def test_ktx_train_infusion_then_fine_tune(data_dir, tmp_path, monkeypatch, capl
     train = [r for r in records if r.get("task") == "biomed_disease_infusion_bert_v001"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["weight"] > 0 and np.isfinite(r["loss"]) and "infusion" in r for r in train)
-    caplog.set_level(logging.INFO, logger=checkpoints._log.name)
+    caplog.set_level(logging.INFO, logger=initial_params._log.name)
     _train(["--gin_file=experiments/cs224n_encoders/bert_tiny.gin", "--gin.MODEL_DIR='tuned'",
             "--gin.INITIAL_CHECKPOINT_PATH='infusion'", "--gin.TRAIN_STEPS=1",
             "--gin.train_script.train.eval_period=0", *common])
