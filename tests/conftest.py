@@ -10,6 +10,31 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # tested in child processes (tests/test_host_malloc.py).
 os.environ.setdefault("KTX_HOST_MALLOC", "system")
 import pathlib
+import shutil
+import tempfile
+
+
+# One JAX persistent compilation cache per test session, shared by its xdist workers and
+# by the `ktx` processes tests start (all inherit this process's environment): a program
+# compiled in one process is read from disk in the others. Only programs whose compile
+# took a second or more are written (JAX's default threshold; the eager ops' tiny programs
+# cost more to write and read than to compile). `KTX_TEST_COMPILATION_CACHE=0` turns it
+# off; a directory given there is used as it is and kept; JAX_COMPILATION_CACHE_DIR set by
+# the user wins.
+_CREATED_CACHE = None
+if (os.environ.get("KTX_TEST_COMPILATION_CACHE") != "0"
+        and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+    _given = os.environ.get("KTX_TEST_COMPILATION_CACHE")
+    if not _given:
+        _given = _CREATED_CACHE = tempfile.mkdtemp(prefix="ktx-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _given
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+
+
+def pytest_unconfigure(config):
+    if _CREATED_CACHE:  # the process that made it (xdist's controller): workers are done
+        shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
+
 
 import pytest
 
