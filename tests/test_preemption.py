@@ -217,3 +217,31 @@ def test_tpu_pod_relaunches_after_preemption(tmp_path):
     out = _script("tpu_pod.sh", ["train"], tmp_path, TPU="pod", ZONE="z", KTX_RESUME_DELAY="0",
                   KTX_MAX_RESUMES="1")
     assert out.returncode == 75 and calls.read_text().count("x") == 2
+
+
+def test_sigterm_during_an_evaluation_exits_within_the_timeout(tmp_path):
+    """The quickstart's decode evaluation at step 5 outlasts preemption_timeout=2: the
+    process exits 75 about 2 s after the signal, without waiting for the evaluation."""
+    log = tmp_path / "train.log"
+    p = subprocess.Popen(
+        [KTX, "train", "--gin_file=runs/quickstart.gin", f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+         "--gin.TRAIN_STEPS=40", "--gin.LOG_PERIOD=1", "--gin.EVAL_PERIOD=5",
+         "--gin.train_script.train.preemption_timeout=2"],
+        cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 600
+    while "step 5/40" not in log.read_text():
+        assert p.poll() is None and time.time() < deadline, log.read_text()[-2000:]
+        time.sleep(0.05)
+    time.sleep(0.5)  # into the evaluation
+    p.send_signal(signal.SIGTERM)
+    signalled = time.time()
+    assert p.wait(timeout=60) == EXIT_PREEMPTED, log.read_text()[-2000:]
+    seconds = time.time() - signalled
+    print(f"SIGTERM during an evaluation: exit status 75 {seconds:.1f} s after it")
+    text = log.read_text()
+    if "no step boundary within 2 s" in text:  # the evaluation outlasted the timeout
+        assert seconds < 2 + 5
+        assert ("during the evaluation at step 5; exiting with status 75 without a new "
+                "checkpoint: the run resumes from its start") in text, text[-2000:]
+    else:  # it ended first: the boundary after it saved step 5
+        assert "stopped by SIGTERM at step 5; checkpoint step 5 is saved" in text, text[-2000:]

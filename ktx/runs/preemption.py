@@ -199,7 +199,7 @@ class PreemptionGuard:
                     _COORDINATOR_EXTRA_SECONDS if self._process_count > 1
                     and self._process_index == 0 else 0.0)
                 if now - self._requested_at > limit:
-                    since = ("the run's start" if self.last_checkpoint is None
+                    since = ("its start" if self.last_checkpoint is None
                              else f"checkpoint step {self.last_checkpoint}")
                     self._say(
                         f"{self.reason}: no step boundary within {self.timeout_seconds:g} s "
