@@ -1,12 +1,13 @@
 # Two entry points for a new user (see README.md):
 #   make quickstart   create .venv, install ktx, train + evaluate the embedded default
-#   make test         create .venv, install ktx[test], run the whole test suite
+#   make test         create .venv, install ktx[test], run the whole test suite (fast tier,
+#                     then the slow one); make test-fast: the fast tier only
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 QUICKSTART_DIR ?= runs/quickstart
 
-.PHONY: install quickstart test bench
+.PHONY: install quickstart test test-fast bench
 
 $(BIN)/.ktx-installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +22,13 @@ quickstart: install
 	$(BIN)/ktx train --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'$(QUICKSTART_DIR)'"
 	$(BIN)/ktx eval --gin_file=runs/eval.gin --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'$(QUICKSTART_DIR)'"
 
+# The fast tier, then the tests marked slow (processes killed and relaunched).
 test: install
-	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --durations=15 -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 --durations=5 -m slow tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
 
 bench: install
 	for f in tests/benchmarks/*.py; do $(BIN)/python $$f || exit 1; done

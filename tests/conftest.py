@@ -31,6 +31,12 @@ if (os.environ.get("KTX_TEST_COMPILATION_CACHE") != "0"
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: kills and relaunches processes (minutes each); `make test` runs "
+        "these after the fast tier, `make test-fast` leaves them out")
+
+
 def pytest_unconfigure(config):
     if _CREATED_CACHE:  # the process that made it (xdist's controller): workers are done
         shutil.rmtree(_CREATED_CACHE, ignore_errors=True)

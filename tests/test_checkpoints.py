@@ -206,6 +206,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill9_resume_matches_uninterrupted(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(repo=str(REPO)))

@@ -15,6 +15,8 @@ import pytest
 from ktx.training.summaries import read_metrics
 from tests.tiny_t5_gin import tiny_t5_gin
 
+pytestmark = pytest.mark.slow  # processes started, killed and relaunched
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 MODEL_GIN = tiny_t5_gin()

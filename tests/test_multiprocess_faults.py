@@ -24,6 +24,8 @@ import pytest
 from ktx.training.summaries import read_metrics
 from tests.tiny_t5_gin import tiny_t5_gin
 
+pytestmark = pytest.mark.slow  # processes started, killed and relaunched
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 KTX = str(pathlib.Path(sys.executable).parent / "ktx")
 STEPS, CHECKPOINT_PERIOD, HEARTBEAT = 120, 20, 10

@@ -14,6 +14,8 @@ import pytest
 from tests.test_multiprocess_faults import KTX, REPO, _free_port, _train_rows, _wait_all
 from tests.tiny_t5_gin import tiny_t5_gin
 
+pytestmark = pytest.mark.slow  # processes started, killed and relaunched
+
 STEPS = 6
 
 

@@ -79,6 +79,7 @@ def model_gin(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [2, 1])
 def test_sigterm_checkpoints_the_step_and_resumes_exactly(tmp_path, model_gin, processes):
     reference = tmp_path / "reference"
