@@ -488,6 +488,13 @@ def test_a_data_axis_takes_task_gradients_device_by_device():
     assert key(4, [(4, 4, 4, 4), (6, 5, 5, 0), (4, 4, 4, 4)]) == ("devices", 2)  # the most
     assert key(8, [(14, 2)]) == ("devices", 1)
     assert key(1, [(6, 5, 5, 0)]) == (6, 5, 5, 0)  # one data device: exact task blocks
+    # Parameters split over `data` (2-D partitioning): "auto" keeps the blocks.
+    two_d = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
+    tr = trainer_lib.Trainer(ToyModel(dim=8), optax.sgd(0.1), balancer=optim.vanilla_multi(),
+                             mesh=partitioning.create_mesh(2), rules=two_d,
+                             weights_from_losses=False)
+    tr.create_abstract_state(ToyInput(dim=8, batch_size=16, counts=(6, 10)).get_batch(0))
+    assert tr._capacity_for((6, 10)) == (8, 12)
     assert key(4, [(6, 5, 5, 0)], num_microbatches=2) is None  # the VJP engine: no blocks
 
 

@@ -83,9 +83,9 @@ class StepOptions:
       num_microbatches: gradient accumulation factor M (divides the batch).
       grad_method: balanced path: "auto" | "blocks" | "vjp" | "devices"
         (`compute_task_gradients`). The `Trainer` turns "auto" into "devices" on a mesh
-        whose `data` axis has several devices (task-partitioned batches, one microbatch):
-        each device differentiates its own rows, and no task block is padded to the
-        `data` axis (`ktx.optim.device_slots`).
+        whose `data` axis has several devices and no parameter split over it
+        (task-partitioned batches, one microbatch): each device differentiates its own
+        rows, and no task block is padded to the `data` axis (`ktx.optim.device_slots`).
       shared: balanced path: regexes of balanced parameters (None: the engine's default).
       sparse_tables: balanced path: regexes of embedding tables whose per-task gradients
         stay sparse (looked-up rows only, `ktx.optim.sparse`). Needs M = 1. None (the

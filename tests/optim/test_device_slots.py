@@ -131,29 +131,31 @@ BALANCERS = {
 
 def test_every_balancer_updates_as_on_one_device():
     """Three steps of each balancer on one device and on a 4 x 2 mesh (task 0's one row
-    fewer than the `data` axis's 4 devices) with 1-D and 2-D parameter partitioning: the
-    same parameters (to 1e-6 of each parameter's largest entry), and the mesh's steps compiled device by device."""
+    fewer than the `data` axis's 4 devices), device by device with 1-D and 2-D parameter
+    partitioning and by task blocks ("auto" with 2-D): the same parameters (to 1e-6 of
+    each parameter's largest entry)."""
     model = ToyModel(num_tasks=4, dim=8, hidden=16)  # 8: the embed axis splits 4 ways (dims 2)
     one = partitioning.create_mesh(1, devices=jax.devices()[:1])
     mesh = partitioning.create_mesh(2)
 
-    def run(make, m, dims):
+    def run(make, m, dims, method, path):
         rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
         tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=make(), mesh=m, rules=rules,
-                                 weights_from_losses=False)
+                                 weights_from_losses=False, grad_method=method)
         state = tr.init_state(jax.random.key(0), _batch(dim=8))
         for step in range(3):
             state, _ = tr.train_step(state, _batch(dim=8, seed=step), jax.random.key(1),
                                      task_counts=COUNTS)
         keys = [k[0] for k in tr._compiled if k[0] is not None]
-        assert keys and all((k[0] == "devices") == (m is mesh) for k in keys), keys
+        assert keys and all((k[0] == "devices") == (path == "devices") for k in keys), keys
         return jax.device_get(state.params)
 
     def close(a, b, msg):  # relative 1e-6 of the leaf's largest entry
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max(), err_msg=msg)
 
     for name, make in BALANCERS.items():
-        expected = run(make, one, 1)
-        for dims in (1, 2):
-            jax.tree.map(lambda a, b: close(a, b, f"{name}, dims {dims}"),
-                         run(make, mesh, dims), expected)
+        expected = run(make, one, 1, "auto", "blocks")
+        for dims, method, path in [(1, "auto", "devices"), (2, "devices", "devices"),
+                                   (2, "auto", "blocks")]:
+            jax.tree.map(lambda a, b: close(a, b, f"{name}, dims {dims}, {method}"),
+                         run(make, mesh, dims, method, path), expected)
