@@ -483,10 +483,16 @@ def test_a_data_axis_takes_task_gradients_device_by_device():
             got = tr._capacity_for(counts)
         return got
 
-    assert key(4, [(6, 5, 5, 0)]) == ("devices", 2)  # rows 0-3 | 4-7 | 8-11 | 12-15
-    assert key(4, [(4, 4, 4, 4)]) == ("devices", 1)
-    assert key(4, [(4, 4, 4, 4), (6, 5, 5, 0), (4, 4, 4, 4)]) == ("devices", 2)  # the most
+    assert key(4, [(4, 4, 4, 4)]) == ("devices", 1)  # rows 0-3 | 4-7 | 8-11 | 12-15
     assert key(8, [(14, 2)]) == ("devices", 1)
+    # Two tasks on some device: one forward and two backward passes (5/3 of a step)
+    # against blocks padded to the axis: blocks of 8, 8, 8 (24 of 16 rows) are cheaper...
+    assert key(4, [(6, 5, 5, 0)]) == (8, 8, 8, 0)
+    assert key(4, [(6, 5, 5, 0)], grad_method="devices") == ("devices", 2)
+    # ... blocks of 8, 8, 8, 16 (40 of 16 rows) are not.
+    assert key(8, [(1, 1, 1, 13)]) == ("devices", 2)
+    # The most seen of both: slots 2 (5/3) against blocks (8, 8, 8, 4) (28 of 16 rows).
+    assert key(4, [(4, 4, 4, 4), (6, 5, 5, 0), (4, 4, 4, 4)]) == ("devices", 2)
     assert key(1, [(6, 5, 5, 0)]) == (6, 5, 5, 0)  # one data device: exact task blocks
     # Parameters split over `data` (2-D partitioning): "auto" keeps the blocks.
     two_d = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)

@@ -369,8 +369,9 @@ class Trainer:
     def _capacity_for(self, task_counts: Any, log: bool | None = None) -> Any:
         """The static shape of the balanced step's per-task gradients, the key of its
         compile: on a mesh with several `data` devices (`_devices_method`), `("devices",
-        slots)`, the most tasks any device has held rows of (`ktx.optim.device_slots`);
-        else per-task block sizes, the most rows each task has had so far (one count
+        slots)`, the most tasks any device has held rows of (`ktx.optim.device_slots`),
+        where that costs no more than the blocks (one forward and `slots` backward passes
+        against the blocks' padded rows); else per-task block sizes, the most rows each task has had so far (one count
         tuple, or one per batch of a `[K, B, ...]` block), rounded up to a multiple of the
         mesh's `data` axis. None when the step builds no task blocks (plain; the
         loss-weighted shortcut without diagnostics, or in a step compiled without them,
@@ -382,14 +383,6 @@ class Trainer:
             return None
         steps = per_step_counts(task_counts)
         data = int(self.mesh.shape[partitioning.DATA])
-        if self._devices_method():
-            from ktx.optim.device_slots import device_slots
-
-            slots = max(device_slots(c, data) for c in steps)
-            self._slots = max(self._slots or 1, slots)
-            if log is False and _weights_from_losses(self.optimizer, self.options):
-                return None
-            return ("devices", self._slots)
         counts = tuple(max(int(c[t]) for c in steps) for t in range(len(steps[0])))
         # Each block is rounded up to a multiple of the `data` axis (at most the batch):
         # a block that does not divide evenly over it gave NaN losses under XLA's SPMD
@@ -401,6 +394,22 @@ class Trainer:
             self._capacity = counts
         else:
             self._capacity = tuple(max(a, b) for a, b in zip(self._capacity, counts))
+        if self._devices_method():
+            from ktx.optim.device_slots import device_slots
+
+            slots = max(device_slots(c, data) for c in steps)
+            self._slots = max(self._slots or 1, slots)
+            # Device by device a step costs one forward and `slots` backward passes over
+            # the batch (a backward pass ~ two forwards); blocks cost their padded rows.
+            # "auto" takes the cheaper ("devices" always the first): blocks win where task
+            # boundaries fall inside devices' rows and padding is little (512 rows over 3
+            # tasks on 8 devices: 528 rows against 2 backward passes).
+            by_devices = (1 + 2 * self._slots) / 3
+            by_blocks = sum(self._capacity) / rows
+            if self.options.grad_method == "devices" or by_devices <= by_blocks:
+                if log is False and _weights_from_losses(self.optimizer, self.options):
+                    return None
+                return ("devices", self._slots)
         if log is False and _weights_from_losses(self.optimizer, self.options):
             return None
         return self._capacity

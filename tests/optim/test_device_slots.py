@@ -132,7 +132,7 @@ BALANCERS = {
 def test_every_balancer_updates_as_on_one_device():
     """Three steps of each balancer on one device and on a 4 x 2 mesh (task 0's one row
     fewer than the `data` axis's 4 devices), device by device with 1-D and 2-D parameter
-    partitioning and by task blocks ("auto" with 2-D): the same parameters (to 1e-6 of
+    partitioning and by task blocks: the same parameters (to 1e-6 of
     each parameter's largest entry)."""
     model = ToyModel(num_tasks=4, dim=8, hidden=16)  # 8: the embed axis splits 4 ways (dims 2)
     one = partitioning.create_mesh(1, devices=jax.devices()[:1])
@@ -155,7 +155,8 @@ def test_every_balancer_updates_as_on_one_device():
 
     for name, make in BALANCERS.items():
         expected = run(make, one, 1, "auto", "blocks")
-        for dims, method, path in [(1, "auto", "devices"), (2, "devices", "devices"),
-                                   (2, "auto", "blocks")]:
+        # COUNTS put two tasks on some devices: "auto" takes the cheaper blocks there.
+        for dims, method, path in [(1, "devices", "devices"), (2, "devices", "devices"),
+                                   (1, "auto", "blocks")]:
             jax.tree.map(lambda a, b: close(a, b, f"{name}, dims {dims}, {method}"),
                          run(make, mesh, dims, method, path), expected)
