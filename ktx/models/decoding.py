@@ -60,6 +60,18 @@ class _GreedyState(NamedTuple):
     cache: Any
 
 
+def _start_state(initial_cache, batch_size: int, max_decode_length: int,
+                 decoder_start_id: int) -> "_GreedyState":
+    """Greedy and sampled decoding's loop state before the first token: every row holds
+    `decoder_start_id`, nothing is finished."""
+    sequences = jnp.zeros((batch_size, max_decode_length + 1), jnp.int32)
+    sequences = sequences.at[:, 0].set(decoder_start_id)
+    return _GreedyState(
+        jnp.array(0, jnp.int32), sequences, jnp.zeros((batch_size,), jnp.float32),
+        jnp.zeros((batch_size,), bool), initial_cache,
+    )
+
+
 def greedy_decode(
     tokens_to_logits: TokensToLogits,
     initial_cache: Any,
@@ -76,12 +88,7 @@ def greedy_decode(
     to and including the EOS.
     """
     _check(batch_size, max_decode_length)
-    sequences = jnp.zeros((batch_size, max_decode_length + 1), jnp.int32)
-    sequences = sequences.at[:, 0].set(decoder_start_id)
-    state = _GreedyState(
-        jnp.array(0, jnp.int32), sequences, jnp.zeros((batch_size,), jnp.float32),
-        jnp.zeros((batch_size,), bool), initial_cache,
-    )
+    state = _start_state(initial_cache, batch_size, max_decode_length, decoder_start_id)
 
     def cond(s: _GreedyState):
         return (s.index < max_decode_length) & ~jnp.all(s.finished)
@@ -162,12 +169,7 @@ def temperature_sample(
     if row_ids is None:
         row_ids = jnp.arange(batch_size, dtype=jnp.int32)
     row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.asarray(row_ids, jnp.int32))
-    sequences = jnp.zeros((batch_size, max_decode_length + 1), jnp.int32)
-    sequences = sequences.at[:, 0].set(decoder_start_id)
-    state = _GreedyState(
-        jnp.array(0, jnp.int32), sequences, jnp.zeros((batch_size,), jnp.float32),
-        jnp.zeros((batch_size,), bool), initial_cache,
-    )
+    state = _start_state(initial_cache, batch_size, max_decode_length, decoder_start_id)
 
     def cond(s: _GreedyState):
         return (s.index < max_decode_length) & ~jnp.all(s.finished)

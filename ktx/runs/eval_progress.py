@@ -10,7 +10,6 @@ nothing and a long one is never silent for long.
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
@@ -18,18 +17,11 @@ from typing import TextIO
 
 import jax
 
+from ktx.training.summaries import _duration  # the progress line's own format
+
 __all__ = ["EvalProgress", "PROGRESS_EVERY_SECONDS"]
 
 PROGRESS_EVERY_SECONDS = 30.0
-
-
-def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 class EvalProgress:
