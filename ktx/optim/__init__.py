@@ -1,5 +1,5 @@
 """Multi-task gradients and balancing: per-task gradients in one compiled step, and
-MetaBalance with its baselines as optax transformations (see docs/balancing.md).
+MetaBalance with its baselines as optax transformations (see docs/balancing.md)::
 
     task_losses, aux, task_grads = ktx.optim.compute_task_gradients(
         loss_sums_fn, model.normalizer(batch), params, batch,
