@@ -56,6 +56,7 @@ from ktx.cli.gin_config import (
     parse_gin,
 )
 from ktx.cli import quiet
+from ktx.cli import study as study_cli
 from ktx.runs.preemption import EXIT_PREEMPTED, Preempted
 from ktx.runs.run_dir import RunDir
 
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=None,
         help="seconds the compile (its child process: tracing, lowering, XLA) may take; "
              "over it, or if the compiler crashes, exit 4 (default: no limit)")
+    study_cli.add_parser(sub)  # `ktx study run|report` (ktx.cli.study)
     c = commands["cache"]
     c.add_argument("--tasks", default="", help="tasks or mixtures to cache, comma-separated")
     c.add_argument("--cache_dir", default=None, help="the cache root (local or gs://)")
@@ -237,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args, bindings) -> int:
+    if args.command == "study":
+        return study_cli.study_command(args, bindings)
     if args.command == "analyze":
         return _analyze(args, bindings)
     if args.command in ("import", "export"):
