@@ -202,6 +202,7 @@ def check_records(study: Study, records: Sequence[Record], allow_changed: bool =
         budget = budget_of(study, record)
         if arm is None or budget is None:
             continue
+        _check_metrics(study, metric_values(study, record), f"run {record.path.stem}")
         now = arm_definition(study, arm, budget)
         if record.definition != now:
             changes = [f"{k}: {record.definition.get(k)!r} -> {now[k]!r}" for k in now
