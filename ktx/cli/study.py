@@ -89,6 +89,8 @@ def _line_of(path: pathlib.Path, pattern: str, value=None) -> str | None:
 
 def _located(e: StudyError, path: pathlib.Path, bindings: Sequence[tuple[str, str]]) -> StudyError:
     """`e` with the study file line, or the `--gin.` flag, that set its field."""
+    message = str(e).split("\n  In call to configurable")[0]  # gin's trailer
+    e = StudyError(message, e.field, e.value)
     if e.field is None:
         return e
     attr = e.field.split(".")[-1]
