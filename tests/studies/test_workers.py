@@ -1,0 +1,69 @@
+"""Several `ktx study run` processes on one study: they divide its runs through the claims
+(no run trained by two), and a killed worker's run is resumed by the next worker from its
+checkpoint. Subprocesses, SIGKILL: marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.studies.tiny_study import write_tiny_study
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+KTX = str(pathlib.Path(sys.executable).parent / "ktx")
+RUNS = ["plain-seed0", "plain-seed1", "fast-seed0", "fast-seed1"]
+
+
+def _worker(path, log, *flags):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return subprocess.Popen([KTX, "study", "run", str(path), "--heartbeat=1", *flags], cwd=REPO,
+                            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _started(log) -> list[str]:
+    return [line.split()[2].rstrip(":") for line in pathlib.Path(log).read_text().splitlines()
+            if " in /" in line and ("training in" in line or "resuming in" in line)]
+
+
+@pytest.mark.slow
+def test_workers_divide_the_runs_and_a_killed_run_is_resumed(tmp_path):
+    path = write_tiny_study(tmp_path, steps=30)
+    runs = tmp_path / "study" / "runs"
+    a = _worker(path, tmp_path / "a.log")
+    b = _worker(path, tmp_path / "b.log")
+    victim, deadline = None, time.time() + 600
+    while victim is None and time.time() < deadline:  # A holds a run with a checkpoint: kill it
+        for claim in runs.glob("*.claim") if runs.is_dir() else ():
+            try:
+                owner = json.loads(claim.read_text())
+            except (OSError, ValueError):
+                continue
+            name = claim.name.removesuffix(".claim")
+            ckpt = runs / name / "checkpoints"
+            if owner.get("pid") == a.pid and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir()):
+                victim = name
+        time.sleep(0.5)
+    assert victim is not None, (tmp_path / "a.log").read_text()[-3000:]
+    a.send_signal(signal.SIGKILL)
+    a.wait()
+    assert b.wait(timeout=900) == 0, (tmp_path / "b.log").read_text()[-3000:]
+    assert not (tmp_path / "study" / f"{victim}.json").exists()
+    c = _worker(path, tmp_path / "c.log")
+    assert c.wait(timeout=900) == 0, (tmp_path / "c.log").read_text()[-3000:]
+
+    started = {w: _started(tmp_path / f"{w}.log") for w in "abc"}
+    assert victim in started["a"] and victim in started["c"] and victim not in started["b"]
+    assert f"{victim}: resuming in" in (tmp_path / "c.log").read_text()
+    # No run was trained by both A and B (the claims divided them), and B trained some.
+    assert not set(started["a"]) & set(started["b"]) and started["b"]
+    for name in RUNS:
+        record = json.loads((tmp_path / "study" / f"{name}.json").read_text())
+        assert record["pieces"] == (2 if name == victim else 1), name
+    assert not list(runs.glob("*.claim*"))
