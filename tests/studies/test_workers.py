@@ -54,15 +54,17 @@ def test_workers_divide_the_runs_and_a_killed_run_is_resumed(tmp_path):
     a.send_signal(signal.SIGKILL)
     a.wait()
     assert b.wait(timeout=900) == 0, (tmp_path / "b.log").read_text()[-3000:]
-    assert not (tmp_path / "study" / f"{victim}.json").exists()
     c = _worker(path, tmp_path / "c.log")
     assert c.wait(timeout=900) == 0, (tmp_path / "c.log").read_text()[-3000:]
 
     started = {w: _started(tmp_path / f"{w}.log") for w in "abc"}
-    assert victim in started["a"] and victim in started["c"] and victim not in started["b"]
-    assert f"{victim}: resuming in" in (tmp_path / "c.log").read_text()
-    # No run was trained by both A and B (the claims divided them), and B trained some.
-    assert not set(started["a"]) & set(started["b"]) and started["b"]
+    # The killed run is resumed once: by B if B reached it after the kill (the claim's
+    # process is gone), else by C.
+    resumed = [w for w in "bc" if f"{victim}: resuming in" in (tmp_path / f"{w}.log").read_text()]
+    assert victim in started["a"] and len(resumed) == 1
+    # No other run was trained by two workers (the claims divided them), and B trained some.
+    assert not (set(started["a"]) & set(started["b"])) - {victim} and started["b"]
+    assert sorted(started["a"] + started["b"] + started["c"]) == sorted(RUNS + [victim])
     for name in RUNS:
         record = json.loads((tmp_path / "study" / f"{name}.json").read_text())
         assert record["pieces"] == (2 if name == victim else 1), name
