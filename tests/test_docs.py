@@ -36,11 +36,17 @@ def _commands(page: pathlib.Path):
         joined = re.sub(r"\\\n\s*", " ", code)
         for line in joined.splitlines():
             line = line.split(" #", 1)[0].strip()
-            for part in re.split(r"&&|;", line):
+            seen = ""
+            for part in re.split(r"(&&|;)", line):
+                quoted = len(re.findall(r'(?<!\\)"', seen)) % 2 == 1
+                seen += part
                 # `ktx CMD ...`, after a shell prompt or environment assignments.
                 m = re.match(r"(?:\$ )?(?:[A-Za-z_]+=\S+ )*ktx ([a-z]\w*)(.*)$", part.strip())
                 if m:
-                    yield m.group(1), m.group(2).strip()
+                    args = m.group(2)
+                    if quoted:  # inside "...", e.g. ssh's --command: up to the closing quote
+                        args = re.split(r'(?<!\\)"', args, 1)[0].replace('\\"', '"')
+                    yield m.group(1), args.strip()
 
 
 def _user_files(page: pathlib.Path) -> set[str]:
