@@ -33,7 +33,7 @@ import optax
 
 from ktx import partitioning
 from ktx.data.recsys import MultiBehaviorData, RecsysTrainInput
-from ktx.models.recsys import RecsysModel
+from ktx.models.recsys import SPARSE_TABLE_PATTERNS, RecsysModel
 from ktx.runs.eval import checkpoint_steps_of
 from ktx.runs.rank_eval import RankingEvaluator
 from ktx.runs.run_dir import RunDir
@@ -62,7 +62,8 @@ def adam_l2(learning_rate: float = 1e-3, weight_decay: float = 1e-7) -> optax.Gr
     return optax.chain(optax.add_decayed_weights(weight_decay), optax.adam(learning_rate))
 
 
-SPARSE_TABLES = (r"^user_embedding/embedding$", r"^item_embedding/embedding$")
+# Every embedding table of the model (the NeuMF layout's GMF tables included).
+SPARSE_TABLES = SPARSE_TABLE_PATTERNS
 
 
 def study_trainer(
