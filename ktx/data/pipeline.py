@@ -18,22 +18,6 @@ step `s` is then assembled with numpy gathers:
 * layout `"sampled"`: each row's task is drawn with the step's rates and its example
   uniformly (with replacement) from a step-seeded generator; `task_counts` is None.
 
-Encoder tasks (`ktx.data.encoder_features`: output features `text_a`, `text_b`, `label`;
-the `*_bert_v001` tasks of `ktx.tasks`) give `EncoderClassifierModel` rows instead:
-`input_ids`, `token_type_ids`, `attention_mask` `[L]` and `label` float32, with
-`task_feature_lengths = {"inputs": L}` (the model's key) and the same layouts, mixing,
-carry and resume semantics; they are never packed. Their WordPiece vocabulary is
-`encoder_vocabulary` (the gin macro `ENCODER_VOCAB`), and `num_labels` (the model's
-`NUM_LABELS`) and `head_kinds` (`HEAD_KINDS`) are checked against each task's labels. A
-mixture with a token-tagging task (`LabelSpace.tagging`) gives every row
-`ef.TAGGING_FEATURES` too (`token_labels` `[L]`, -100 where ignored; the truncation
-counts), sequence tasks' rows with nothing labelled there
-(`ef.convert_tagging`, `ef.sequence_rows_for_tagging`); what truncation cuts from a
-tagging task is logged. With a cosine head (`head_kinds`, a regression task of pairs)
-that task's texts are encoded alone (`ef.convert_encoder(separate=True)`) and every row
-of the mixture gets `ef.COSINE_FEATURES` (all padding for the other tasks). A mixture
-holds one kind of task (encoder or encoder-decoder).
-
 Task ids are indices in the mixture's registration order (sub-mixtures flattened in
 place, first occurrence wins), not the alphabetical order of `seqio.Mixture.tasks`.
 
@@ -79,21 +63,12 @@ Evaluation (`eval_batches`, `eval_arrays`) always reads the whole evaluation spl
 every process, sharded or not. With `process_count == 1`, or `shard_by_process=False`,
 batches are those of the unsharded input (bit-identical), task-grouped.
 
-Memory: the cache holds every converted row of every task (of this process's shards,
-sharded: about `1 / P` of it) in compact dtypes (tokens
-uint16 for vocabularies under 65,536 ids, loss weights uint8): at most `2 Le + 5 Ld + 2` bytes
-per unpacked row (1,186 at 512/32; ~0.1 GB per 100k examples), packing adding segment
-ids and positions. `cache_nbytes` reports it. The cache is unsuitable for corpora that
-do not fit in host memory (C4-sized pre-training data): stream those with seqio's own
-`get_dataset` instead.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import inspect
-import json
+import dataclasses
 import logging
 import os
 import pathlib
@@ -107,10 +82,16 @@ from ktx.data import encoder_features as ef
 from ktx.data import feature_converter as fc
 from ktx.data import files
 from ktx.data import mixing as mixing_lib
-from ktx.data import mlm_features
 from ktx.data import process_layout
-from ktx.data import seqio_cache
-from ktx.data import wordpiece
+from ktx.data.mixtures import (
+    KIND_NAMES,
+    TASK_KINDS,
+    encoder_num_labels,
+    mixture_rates,
+    mixture_task_names,
+    task_kind,
+)
+from ktx.data.task_rows import TaskRows
 
 _log = logging.getLogger(__name__)  # ktx.cli prints it as `ktx: ...`
 
@@ -118,101 +99,7 @@ __all__ = ["LAYOUTS", "TASK_KINDS", "MultiTaskInput", "mixture_task_names", "mix
            "task_kind", "encoder_num_labels"]
 
 LAYOUTS = ("task_partitioned", "sampled")
-TASK_KINDS = ("enc_dec", "encoder", "mlm")
-_KIND_NAMES = {"enc_dec": "encoder-decoder", "encoder": "encoder", "mlm": "masked-LM"}
-_CACHE_FORMAT = 1
 _SHARD_SEED = 0x5A4D  # keeps a shard's permutations apart from the whole task's
-
-
-def _get_dataset(seqio_task: seqio.Task, shard: seqio.ShardInfo | None, **kwargs):
-    """`seqio_task.get_dataset(**kwargs)` of one shard (`shard_info`) or of the whole split.
-
-    SeqIO hands `shard_info` to the task's source when the source says it supports
-    arbitrary sharding or lists at least `num_shards` shards of the split (ktx's sources
-    shard their examples with `tf.data.Dataset.shard`), else it shards the source's
-    examples itself (`seqio.FunctionDataSource`). A source that would be handed
-    `shard_info` but whose `get_dataset` does not take it raises, naming the task.
-    """
-    if shard is None:
-        return seqio_task.get_dataset(**kwargs)
-    source = seqio_task.source
-    if not kwargs.get("use_cached") and (
-            source.supports_arbitrary_sharding
-            or len(source.list_shards(kwargs["split"])) >= shard.num_shards):
-        if "shard_info" not in inspect.signature(source.get_dataset).parameters:
-            raise ValueError(
-                f"task {seqio_task.name!r}: its source {type(source).__name__} is handed "
-                f"shard_info (shard {shard.index} of {shard.num_shards}) but its get_dataset "
-                "takes no shard_info argument; give it one (read only that shard) or pass "
-                "shard_by_process=False")
-    return seqio_task.get_dataset(shard_info=shard, **kwargs)
-
-
-def _get_provider(name: str) -> seqio.Task | seqio.Mixture:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"mixture_or_task_name={name!r}; accepted: a registered SeqIO task or mixture name")
-    try:
-        return seqio.get_mixture_or_task(name)
-    except ValueError as e:
-        raise ValueError(
-            f"mixture_or_task_name={name!r} is not registered ({e}); did you import ktx.tasks?"
-        ) from e
-
-
-def mixture_task_names(mixture_or_task_name: str) -> tuple[str, ...]:
-    """Task names in registration order (task id = index); sub-mixtures flattened."""
-    provider = _get_provider(mixture_or_task_name)
-    if isinstance(provider, seqio.Task):
-        return (provider.name,)
-    names: list[str] = []
-    for name in provider.rate_per_task_name:
-        for sub in mixture_task_names(name):
-            if sub not in names:
-                names.append(sub)
-    return tuple(names)
-
-
-def mixture_rates(mixture_or_task_name: str) -> np.ndarray:
-    """`[T]` the rates the mixture was registered with (1 for a single task)."""
-    provider = _get_provider(mixture_or_task_name)
-    names = mixture_task_names(mixture_or_task_name)
-    if isinstance(provider, seqio.Task):
-        return np.ones(1)
-    rates = []
-    for name in names:
-        try:
-            rates.append(float(provider.get_rate(seqio.get_mixture_or_task(name))))
-        except Exception as e:  # rate functions may need task statistics that are absent
-            raise ValueError(
-                f"mixture {mixture_or_task_name!r}: the registered rate of task {name!r} cannot "
-                f"be computed ({type(e).__name__}: {e}); pass mixing='proportional' (or another "
-                f"ktx.data.mixing kind) to compute rates from the cached task sizes"
-            ) from e
-    return np.asarray(rates)
-
-
-def task_kind(task_name: str) -> str:
-    """"encoder" for an encoder task (`ktx.data.encoder_features.is_encoder_task`), "mlm"
-    for a masked-LM encoder task (`ktx.data.mlm_features.is_mlm_task`), "enc_dec" for an
-    inputs/targets task; anything else raises naming its features."""
-    task = seqio.get_mixture_or_task(task_name)
-    if ef.is_encoder_task(task):
-        return "encoder"
-    if mlm_features.is_mlm_task(task):
-        return "mlm"
-    if {"inputs", "targets"} <= set(task.output_features):
-        return "enc_dec"
-    raise ValueError(
-        f"task {task_name!r} has output features {sorted(task.output_features)}; MultiTaskInput "
-        "converts encoder-decoder tasks (inputs, targets), encoder tasks (text_a, text_b, "
-        "label: ktx.data.encoder_features) and masked-LM tasks (text_a, text_b, mlm_a, mlm_b: "
-        "ktx.data.mlm_features)")
-
-
-def encoder_num_labels(mixture_or_task_name: str) -> tuple[int, ...]:
-    """The head size each encoder task of a mixture needs (task-id order; 1 = regression)."""
-    return tuple(ef.label_space(seqio.get_mixture_or_task(n)).num_labels
-                 for n in mixture_task_names(mixture_or_task_name))
 
 
 def _check_batching(layout: str, batch_size: int, process_index: int, process_count: int, seed: int) -> None:
@@ -361,7 +248,7 @@ class MultiTaskInput:
                 continue
             if self.kind != "encoder":
                 raise ValueError(f"{name}={value!r} applies to encoder tasks; "
-                                 f"{list(task_names)} are {_KIND_NAMES[self.kind]} tasks: "
+                                 f"{list(task_names)} are {KIND_NAMES[self.kind]} tasks: "
                                  "leave it None")
             check(task_names, self.label_spaces, value)
         self.num_labels, self.head_kinds = num_labels, head_kinds
@@ -375,7 +262,14 @@ class MultiTaskInput:
         self.shard_by_process = shard_by_process
         self.sharded = self._resolve_sharding(shard_by_process)
         shard = self.shard_info
-        self._train = [self._load(t, split, pack=self.pack, shard=shard) for t in range(self.num_tasks)]
+        # How each task's split becomes rows (`ktx.data.task_rows`).
+        self.rows = TaskRows(
+            task_names=task_names, kind=self.kind, task_feature_lengths=lengths, seed=self.seed,
+            use_cached=self.use_cached, seqio_cache_dir=seqio_cache_dir, cache_dir=self.cache_dir,
+            tagging=self.tagging, cosine=tuple(self.cosine), on_bad_row=on_bad_row,
+            encoder_vocabulary=encoder_vocabulary)
+        self._train = [self.rows.load(t, split, pack=self.pack, shard=shard)
+                       for t in range(self.num_tasks)]
         self._eval: dict[tuple[str, str], dict[str, np.ndarray]] = {}
         local = [int(a["task_id"].shape[0]) for a in self._train]
         # `[P, T]` rows of every process's shard of every task (`[1, T]` unsharded).
@@ -440,7 +334,7 @@ class MultiTaskInput:
         sizes = np.zeros((self.process_count, self.num_tasks), np.int64)
         for i in range(self.process_count):
             for t in range(self.num_tasks):
-                sizes[i, t] = local[t] if i == self.process_index else self._load(
+                sizes[i, t] = local[t] if i == self.process_index else self.rows.load(
                     t, self.split, pack=self.pack,
                     shard=seqio.ShardInfo(i, self.process_count))["task_id"].shape[0]
         return sizes
@@ -556,6 +450,7 @@ class MultiTaskInput:
         new = copy.copy(self)
         new.batch_size = self.batch_size if batch_size is None else int(batch_size)
         new.seed = self.seed if seed is None else int(seed)
+        new.rows = dataclasses.replace(self.rows, seed=new.seed)  # rows read later (evaluation)
         new.layout = self.layout if layout is None else layout
         new.mixing = self.mixing if mixing is None else mixing_lib.parse_mixing(mixing)
         new.process_index = self.process_index if process_index is None else int(process_index)
@@ -702,7 +597,7 @@ class MultiTaskInput:
         if split == self.split and not self.pack and not self.sharded:
             return self._train[self.task_id(task_name)]
         if key not in self._eval:
-            self._eval[key] = self._load(self.task_id(task_name), split, pack=False)
+            self._eval[key] = self.rows.load(self.task_id(task_name), split, pack=False)
         return self._eval[key]
 
     # --------------------------------------------------------------------------- internals
@@ -740,130 +635,3 @@ class MultiTaskInput:
     def _concat(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
-    @property
-    def _cosine_names(self) -> set[str]:
-        return {self.task_names[t] for t in self.cosine}
-
-    def _cache_path(self, task_name: str, split: str, pack: bool,
-                    shard: seqio.ShardInfo | None = None) -> pathlib.Path | None:
-        if self.cache_dir is None:
-            return None
-        fields = [_CACHE_FORMAT, self.task_feature_lengths, pack, self.seed, self.use_cached]
-        if shard is not None:  # one process's shard of the split
-            fields.append(["shard", shard.index, shard.num_shards])
-        if self.tagging:  # sequence rows get the tagging features too
-            fields.append("tagging")
-        if self.cosine:  # the cosine tasks' texts are encoded alone
-            fields.append(["cosine", list(self.cosine), task_name in self._cosine_names])
-        if self.kind != "enc_dec":  # the ids depend on the vocabulary
-            vocabulary = seqio.get_mixture_or_task(task_name).output_features["text_a"].vocabulary
-            fields.append(getattr(vocabulary, "cache_key", repr(vocabulary)))
-        key = json.dumps(fields, sort_keys=True)
-        digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-        return self.cache_dir / task_name / f"{split}-{digest}.npz"
-
-    def _load(self, task: int, split: str, *, pack: bool,
-              shard: seqio.ShardInfo | None = None) -> dict[str, np.ndarray]:
-        with files.on_bad_row_policy(self.on_bad_row), \
-                wordpiece.encoder_vocabulary_scope(self.encoder_vocabulary):
-            return self._load_with_policy(task, split, pack=pack, shard=shard)
-
-    def _load_with_policy(self, task: int, split: str, *, pack: bool,
-                          shard: seqio.ShardInfo | None) -> dict[str, np.ndarray]:
-        name = self.task_names[task]
-        path = self._cache_path(name, split, pack, shard)
-        if path is not None and path.is_file():
-            with np.load(path) as data:
-                arrays = {k: data[k] for k in data.files}
-            return fc.add_task_id(arrays, task, np.uint16)
-        if self.use_cached:
-            seqio_cache.require_cached(name, split, self.seqio_cache_dir)
-        seqio_task = seqio.get_mixture_or_task(name)
-        if split not in seqio_task.splits:
-            raise ValueError(f"task {name!r} has no split {split!r}; splits: {tuple(seqio_task.splits)}")
-        if self.kind == "encoder":
-            arrays = fc.compact(self._convert_encoder(seqio_task, split, shard))
-        elif self.kind == "mlm":
-            arrays = fc.compact(self._convert_mlm(seqio_task, split, shard))
-        else:
-            arrays = fc.compact(self._convert_enc_dec(seqio_task, split, pack, shard))
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-            np.savez(tmp, **arrays)
-            os.replace(tmp, path)
-        return fc.add_task_id(arrays, task, np.uint16)
-
-    def _convert_enc_dec(self, seqio_task: seqio.Task, split: str, pack: bool,
-                         shard: seqio.ShardInfo | None) -> dict[str, np.ndarray]:
-        ds = _get_dataset(seqio_task, shard,
-            sequence_length=self.task_feature_lengths,
-            split=split,
-            use_cached=self.use_cached,
-            shuffle=False,
-            seed=self.seed,
-            num_epochs=1,
-            trim_output_features=True,
-        )
-        keys = tuple(self.task_feature_lengths)
-        ds = ds.map(lambda ex: {k: ex[k] for k in keys}).padded_batch(
-            1024, padded_shapes={k: [self.task_feature_lengths[k]] for k in keys}
-        )
-        tokens = fc.tokens_from_batches(
-            ds.as_numpy_iterator(), self.task_feature_lengths, source=f"{seqio_task.name}/{split}"
-        )
-        return fc.convert_enc_dec(
-            tokens, self.task_feature_lengths["inputs"], self.task_feature_lengths["targets"], pack=pack
-        )
-
-    def _convert_mlm(self, seqio_task: seqio.Task, split: str,
-                     shard: seqio.ShardInfo | None) -> dict[str, np.ndarray]:
-        vocabulary = seqio_task.output_features["text_a"].vocabulary
-        cls_id, sep_id = vocabulary.cls_id, vocabulary.sep_id  # a bad file raises here
-        ds = _get_dataset(
-            seqio_task, shard, sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
-            seed=self.seed, num_epochs=1, trim_output_features=False,
-        )
-        columns: dict[str, list] = {k: [] for k in mlm_features.MLM_TEXT_FEATURES}
-        for example in ds.as_numpy_iterator():
-            for key, column in columns.items():
-                column.append(example[key])
-        return mlm_features.convert_mlm(*(columns[k] for k in mlm_features.MLM_TEXT_FEATURES),
-                                        self.task_feature_lengths["inputs"], cls_id=cls_id,
-                                        sep_id=sep_id)
-
-    def _convert_encoder(self, seqio_task: seqio.Task, split: str,
-                         shard: seqio.ShardInfo | None) -> dict[str, np.ndarray]:
-        # Read the vocabulary here, so that a bad file raises its own error, not a
-        # tf.data one from inside the tokenizer op.
-        vocabulary = seqio_task.output_features["text_a"].vocabulary
-        cls_id, sep_id = vocabulary.cls_id, vocabulary.sep_id
-        ds = _get_dataset(
-            seqio_task, shard, sequence_length=None, split=split, use_cached=self.use_cached, shuffle=False,
-            seed=self.seed, num_epochs=1, trim_output_features=False,
-        )
-        space = ef.label_space(seqio_task)
-        source = f"task {seqio_task.name!r} split {split!r}"
-        if space.is_tagging:
-            columns: dict[str, list] = {"text_a": [], "word_lengths": [], "label": []}
-            for example in ds.as_numpy_iterator():
-                for key, column in columns.items():
-                    column.append(example[key])
-            features = ef.convert_tagging(
-                columns["text_a"], columns["word_lengths"], columns["label"],
-                self.task_feature_lengths["inputs"], cls_id=cls_id, sep_id=sep_id,
-                tag_names=space.names)
-            ef.log_truncation(features, source=source, length=self.task_feature_lengths["inputs"])
-            return ef.with_cosine_features(features) if self.cosine else features
-        columns = {"text_a": [], "text_b": [], "label": []}
-        for example in ds.as_numpy_iterator():
-            for key, column in columns.items():
-                column.append(example[key])
-        ef.check_labels(np.asarray(columns["label"], np.float64), space, source=source)
-        features = ef.convert_encoder(
-            columns["text_a"], columns["text_b"], columns["label"],
-            self.task_feature_lengths["inputs"], cls_id=cls_id, sep_id=sep_id,
-            separate=seqio_task.name in self._cosine_names)
-        if self.cosine:
-            features = ef.with_cosine_features(features)
-        return ef.sequence_rows_for_tagging(features) if self.tagging else features

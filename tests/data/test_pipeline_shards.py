@@ -272,9 +272,9 @@ def test_cache_key_names_the_shard(tmp_path):
     procs = [_inputs(ROUND_ROBIN, i, cache_dir=tmp_path) for i in range(2)]
     full = _inputs(ROUND_ROBIN, 0, cache_dir=tmp_path, shard=False)
     name = "ktx_shard_kappa"
-    paths = {procs[0]._cache_path(name, "train", False, procs[0].shard_info),
-             procs[1]._cache_path(name, "train", False, procs[1].shard_info),
-             full._cache_path(name, "train", False)}
+    paths = {procs[0].rows.cache_path(name, "train", False, procs[0].shard_info),
+             procs[1].rows.cache_path(name, "train", False, procs[1].shard_info),
+             full.rows.cache_path(name, "train", False)}
     assert len(paths) == 3 and all(p.is_file() for p in paths)
     again = _inputs(ROUND_ROBIN, 1, cache_dir=tmp_path)
     for k, v in again.get_batch(9).items():
