@@ -87,6 +87,26 @@ def run_bindings(study: Study, run: Run, model_dir: pathlib.Path,
     return [(k, gin_value(v)) for k, v in values.items()]
 
 
+def recorded(study: Study) -> set[tuple[str, int, str]]:
+    """(arm, seed, budget) of every record in the study directory whose budget is one of the
+    study's, under whatever file name it was written: the records of the scripts before
+    `ktx study` (`ktx.studies.legacy`) count as done too."""
+    root = _root(study)
+    if not root.is_dir():
+        return set()
+    out = set()
+    for record in load_records(root):
+        budget = budget_of(study, record)
+        if budget is not None:
+            out.add((record.arm, record.seed, budget))
+    return out
+
+
+def is_done(study: Study, run: Run, done: set[tuple[str, int, str]]) -> bool:
+    """Whether `run` has a record: its own file, or a record of its arm, seed and budget."""
+    return record_path(study, run).is_file() or (run.arm.name, run.seed, run.budget) in done
+
+
 @dataclasses.dataclass
 class RunStatus:
     run: Run
@@ -97,9 +117,10 @@ class RunStatus:
 def statuses(study: Study, runs: Sequence[Run]) -> list[RunStatus]:
     """Each run's state, for `--dry_run`."""
     out = []
+    done = recorded(study)
     for run in runs:
         claim = Claim(study, run)
-        if record_path(study, run).is_file():
+        if is_done(study, run, done):
             out.append(RunStatus(run, "done"))
         elif claim.path.is_file():
             owner = claim.owner()
@@ -378,12 +399,13 @@ def run_study(study: Study, train: Command, evaluate: Command, *,
     """Trains this worker's runs that have no record, each under a claim; yields each
     record written. `max_runs`: stop after training that many."""
     check_records(study, load_records(_root(study)), allow_changed)
+    done = recorded(study)
     trained = 0
     for run in plan(study, shard):
         if max_runs is not None and trained >= max_runs:
             log(f"--max_runs={max_runs} reached")
             return
-        if record_path(study, run).is_file():
+        if is_done(study, run, done):
             log(f"{run.name}: done")
             continue
         claim = Claim(study, run, heartbeat=heartbeat, stale_after=stale_after)

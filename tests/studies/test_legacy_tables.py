@@ -126,3 +126,20 @@ def test_every_committed_record_is_in_its_study(name, records):
     study, report = _report(name, records)
     assert report.ignored == [] and report.records == len(list((REPO / "docs/results" / records).glob("*.json")))
     assert math.isfinite(report.total_seconds) and report.total_seconds > 0
+
+
+def test_the_runs_the_committed_records_hold_are_done_for_ktx_study_run():
+    """`ktx study run` skips a run that a record of the scripts before it holds (another file
+    name, same arm, seed and budget): the GLUE study is complete; every CS224N record is a
+    done run."""
+    from ktx.studies import runner
+
+    study, _ = _report("glue_encoders", "glue")
+    states = runner.statuses(study, runner.plan(study))
+    assert len(states) == 18 and all(s.state == "done" for s in states), \
+        [s.run.name for s in states if s.state != "done"]
+    study, _ = _report("cs224n_encoders", "cs224n")
+    done = runner.recorded(study)
+    records = load_records(study.directory)
+    assert len(done) == len(records) == 76
+    assert sum(s.state == "done" for s in runner.statuses(study, runner.plan(study))) == 76
