@@ -57,6 +57,47 @@ def test_weighted_cross_entropy_hand_values():
     assert float(ce.sum()) == 0.0 and float(z.sum()) == 0.0
 
 
+def test_weighted_cross_entropy_gradient_by_hand_and_autodiff():
+    # p = (1/4, 1/4, 1/2), target 2, log_z = log 4: d ce / d logits = p - onehot,
+    # d z / d logits = 2 z_loss log_z p (the one-pass custom VJP).
+    logits = jnp.array([[[0.0, 0.0, math.log(2.0)]]])
+    targets, weights = jnp.array([[2]]), jnp.ones((1, 1))
+
+    def total(lg, w, fn=seq2seq.weighted_cross_entropy, **kw):
+        ce, z = fn(lg, targets, w, **kw)
+        return ce.sum() + 3.0 * z.sum()
+
+    p = np.array([0.25, 0.25, 0.5])
+    got = jax.jit(jax.grad(functools.partial(total, z_loss=1e-2)))(logits, weights)
+    want = p - [0, 0, 1] + 3.0 * 2 * 1e-2 * math.log(4.0) * p
+    np.testing.assert_allclose(got[0, 0], want, rtol=1e-6)
+
+    def formula(lg, tg, w, label_smoothing=0.0, z_loss=0.0):  # autodiff of the formula
+        vocab = lg.shape[-1]
+        low = label_smoothing / (vocab - 1)
+        log_z = jax.nn.logsumexp(lg, axis=-1)
+        log_probs = lg - log_z[..., None]
+        q = jnp.where(jax.nn.one_hot(tg, vocab) > 0, 1.0 - label_smoothing, low)
+        return -(q * log_probs).sum(-1) * w, z_loss * jnp.square(log_z) * w
+
+    rs = np.random.RandomState(0)
+    lg = jnp.asarray(3 * rs.randn(2, 3, 7), jnp.float32)
+    w = jnp.asarray(rs.rand(2, 3), jnp.float32)
+    tg = jnp.asarray(rs.randint(0, 7, (2, 3)))
+    targets = tg
+    for kw in ({}, {"z_loss": 0.3}, {"label_smoothing": 0.1, "z_loss": 1e-4}):
+        got = jax.jit(jax.grad(functools.partial(total, **kw), argnums=(0, 1)))(lg, w)
+        want = jax.grad(functools.partial(total, fn=formula, **kw), argnums=(0, 1))(lg, w)
+        np.testing.assert_allclose(got[0], want[0], atol=2e-6)
+        # the weights' gradient is the per-token loss (minus q's entropy, a constant)
+        if "label_smoothing" not in kw:
+            np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    # per-row VJPs (the balanced step's vmapped engine) see the same gradient
+    rows = jax.vmap(jax.grad(lambda x: total(x, w, z_loss=0.3)))(jnp.stack([lg, 2 * lg]))
+    np.testing.assert_allclose(rows[1], jax.grad(lambda x: total(x, w, z_loss=0.3))(2 * lg),
+                               atol=1e-6)
+
+
 def test_infusion_term_hand_values():
     logits = jnp.zeros((2, 3, 4)).at[0, 0, 2].set(3.0).at[0, 1, 1].set(2.0).at[0, 2, 3].set(9.0)
     targets = jnp.array([[2, 1, 3], [0, 0, 0]])
