@@ -2,9 +2,21 @@
 
 import os
 
-# Every test process sees 8 CPU devices so that 2x4 mesh tests run in-process; this must
-# happen before JAX initialises its backends.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA flags for every test process and the `ktx` processes tests start (they inherit the
+# environment); they must be set before JAX initialises its backends. A flag the user
+# already gave in XLA_FLAGS wins.
+# - 8 CPU devices, so that 2x4 mesh tests run in-process.
+# - LLVM at -O0: the suite's time is mostly XLA:CPU compiling small programs (parameter
+#   initialisation alone is tens of thousands of HLO lines of threefry), and LLVM's
+#   optimisation passes are most of a compile. At -O0 a compile takes about 40-65% less
+#   CPU time; the programs run slower, which tiny shapes do not notice. Numerics are the
+#   same: without fast-math LLVM may not reassociate floating point at any level.
+_TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8",
+                   "--xla_backend_optimization_level": "0"}
+_given_flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join(
+    [_given_flags] + [f"{k}={v}" for k, v in _TEST_XLA_FLAGS.items() if k not in _given_flags]
+).strip()
 # A pytest worker runs hundreds of in-process `ktx train`s: under the CLI's default host
 # malloc mode ("keep") it would hold the largest one's peak to the end. The mode itself is
 # tested in child processes (tests/test_host_malloc.py).
@@ -29,6 +41,11 @@ if (os.environ.get("KTX_TEST_COMPILATION_CACHE") != "0"
         _given = _CREATED_CACHE = tempfile.mkdtemp(prefix="ktx-test-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _given
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+
+
+# Per-test compile counts and seconds when KTX_TEST_COMPILE_STATS=FILE is set (inert
+# otherwise): `KTX_TEST_COMPILE_STATS=/tmp/stats.jsonl make test`.
+pytest_plugins = ["tests.compile_stats"]
 
 
 def pytest_configure(config):

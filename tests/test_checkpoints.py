@@ -3,7 +3,6 @@ restore from INITIAL_CHECKPOINT_PATH, and kill -9 / resume equivalence."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from tests.xla_env import with_devices
 
 from ktx import partitioning
 from ktx.training.initial_params import load_initial_params
@@ -171,8 +171,7 @@ def test_checkpoint_saved_on_a_mesh_loads_on_one_device_without_shardings(tmp_pa
     mgr.close()
     script = tmp_path / "load.py"
     script.write_text(_ONE_DEVICE_LOAD.format(repo=str(REPO)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           "JAX_PLATFORMS": "cpu"}
+    env = {**with_devices(1), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(tmp_path / "out.npz")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -210,7 +209,7 @@ _SCRIPT = textwrap.dedent(
 def test_kill9_resume_matches_uninterrupted(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(repo=str(REPO)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = with_devices(8)
     killed = tmp_path / "killed"
     # Batches from step 5 on stall, so the run stops after step 5 with checkpoints 2 and
     # 4 finalized (orbax renames a step directory into place only once it is complete);

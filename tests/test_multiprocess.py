@@ -4,13 +4,13 @@ one process with 8 devices, on the same (data=4, model=2) mesh."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import socket
 import subprocess
 import sys
 
 import pytest
+from tests.xla_env import with_devices
 
 from ktx.training.summaries import read_metrics
 from tests.tiny_t5_gin import tiny_t5_gin
@@ -49,8 +49,7 @@ def _train_losses(model_dir: pathlib.Path) -> list[float]:
 
 
 def _run(cmd: list[str], devices: int, tmp_path: pathlib.Path) -> None:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env = with_devices(devices)
     env["KTX"] = str(pathlib.Path(sys.executable).parent / "ktx")
     env["KTX_COORDINATOR_PORT"] = str(_free_port())
     proc = subprocess.run(

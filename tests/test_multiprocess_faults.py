@@ -11,7 +11,6 @@ its own, which the resumed run recomputes from the checkpoint's step."""
 from __future__ import annotations
 
 import collections
-import os
 import pathlib
 import signal
 import socket
@@ -20,6 +19,7 @@ import sys
 import time
 
 import pytest
+from tests.xla_env import with_devices
 
 from ktx.training.summaries import read_metrics
 from tests.tiny_t5_gin import tiny_t5_gin
@@ -47,7 +47,7 @@ def _launch(model_gin: pathlib.Path, model_dir: pathlib.Path, logs: pathlib.Path
         f"--gin.train_script.train.checkpoint_period={CHECKPOINT_PERIOD}",
     ]
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = with_devices(4)
     logs.mkdir(parents=True, exist_ok=True)
     return [subprocess.Popen(
         [KTX, "train", *flags, "--multihost", f"--coordinator_address=localhost:{port}",

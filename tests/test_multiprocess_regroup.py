@@ -5,11 +5,11 @@ losses equal the plain step's on the same batches, step by step."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 
 import pytest
+from tests.xla_env import with_devices
 
 from tests.test_multiprocess_faults import KTX, REPO, _free_port, _train_rows, _wait_all
 from tests.tiny_t5_gin import tiny_t5_gin
@@ -37,7 +37,7 @@ def _run(tmp: pathlib.Path, balanced: bool) -> list[float]:
         "--gin.train_script.train.log_period=1",
     ]
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = with_devices(4)
     logs = [tmp / f"process_{i}.log" for i in range(2)]
     procs = [subprocess.Popen(
         [KTX, "train", *flags, "--multihost", f"--coordinator_address=localhost:{port}",

@@ -17,6 +17,7 @@ import textwrap
 import time
 
 import pytest
+from tests.xla_env import with_devices
 
 from ktx.runs.preemption import EXIT_PREEMPTED, PreemptionGuard
 from ktx.training.summaries import read_metrics
@@ -43,7 +44,7 @@ def _launch(model_gin, model_dir, logs, processes: int) -> list:
         "--gin.train_script.train.checkpoint_period=1000",
         f"--gin.train_script.train.preemption_timeout={BOUND}",
     ]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = with_devices(4)
     logs.mkdir(parents=True, exist_ok=True)
     if processes == 1:  # and async checkpoints: the preemption save still completes
         commands = [[KTX, "train", *flags, "--gin.train_script.train.async_checkpoints=True"]]

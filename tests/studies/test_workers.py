@@ -5,7 +5,6 @@ checkpoint. Subprocesses, SIGKILL: marked slow."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import sys
 import time
 
 import pytest
+from tests.xla_env import with_devices
 
 from tests.studies.tiny_study import write_tiny_study
 
@@ -22,7 +22,7 @@ RUNS = ["plain-seed0", "plain-seed1", "fast-seed0", "fast-seed1"]
 
 
 def _worker(path, log, *flags):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = with_devices(1)
     return subprocess.Popen([KTX, "study", "run", str(path), "--heartbeat=1", *flags], cwd=REPO,
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
