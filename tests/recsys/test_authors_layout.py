@@ -13,6 +13,7 @@ from ktx import optim
 from ktx.data import recsys as R
 from ktx.models.recsys import RecsysModel
 from ktx.studies import recsys as recsys_study
+from tests.recsys.test_data import _tiny_data
 
 
 def _neumf(**kw):
@@ -21,15 +22,6 @@ def _neumf(**kw):
                   mlp_dims=(8, 4, 2), tower_dims=(), dropout_placement="before",
                   bottom_init="xavier_uniform")
     return RecsysModel(**{**fields, **kw})
-
-
-def _data():  # the tiny data of tests/recsys/test_data.py
-    rng = np.random.default_rng(0)
-    buy = np.unique(np.stack([rng.integers(0, 20, 60), rng.integers(0, 30, 60)], 1), axis=0)
-    col = np.unique(np.stack([rng.integers(0, 20, 90), rng.integers(0, 30, 90)], 1), axis=0)
-    return R.MultiBehaviorData(20, 30, ("buy", "collect", "cart"),
-                               {"buy": buy, "collect": col, "cart": buy[:5]},
-                               validation=buy[:3], test=buy[3:6])
 
 
 def test_neumf_shapes_and_full_ranking():
@@ -66,7 +58,7 @@ def _shared_input(data):
 
 
 def test_every_task_loss_sees_the_same_rows():
-    data = _data()
+    data = _tiny_data()
     inp = _shared_input(data)
     b = inp.get_batch(0)
     blocks = [slice(8 * t, 8 * (t + 1)) for t in range(3)]
@@ -93,7 +85,7 @@ def test_one_metabalance_step_by_hand():
     """Shared parameters (the four tables and the MLP) get MetaBalance's combination of the
     task gradients, towers the summed loss's gradient (the authors' two optimizers):
     checked against per-task losses written out here, under SGD (learning rate 1)."""
-    data = _data()
+    data = _tiny_data()
     inp = _shared_input(data)
     model = _neumf(dropout_rate=0.0)
     r = 0.7
