@@ -196,7 +196,10 @@ def test_trainer_microbatches_agree_with_plain():
     for kwargs in ({"num_microbatches": 2},):
         got, p_got = three(**kwargs)
         np.testing.assert_allclose(got, plain, rtol=1e-5, err_msg=str(kwargs))
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+        # atol 1e-5: the attention key biases' gradient is zero in exact arithmetic (a bias
+        # on every key shifts a query's logits by one constant), so Adam scales rounding
+        # noise of either summation order into updates of up to ~1e-6 and either sign.
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                      p_got, p_plain)
 
 
