@@ -48,8 +48,23 @@ def _register():
 _register()
 
 
+# The converted rows of every (task, shard) are kept for the module (`cache_dir`): the tests
+# build dozens of inputs over the same shards, and each one converted through tf.data took
+# 5-8 s of the suite; what they check is the layout, cursors and shards, which the cache
+# does not touch (tests/data/test_pipeline.py tests the cache itself).
+_ROWS = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _rows_cache(tmp_path_factory):
+    _ROWS["cache_dir"] = tmp_path_factory.mktemp("shard_rows")
+    yield
+    _ROWS.clear()
+
+
 def _inputs(mixing_=None, process_index=0, shard=True, **kwargs):
     kwargs.setdefault("batch_size", 6)
+    kwargs.setdefault("cache_dir", _ROWS.get("cache_dir"))
     kwargs.setdefault("process_count", 2)
     return MultiTaskInput(MIX, LENGTHS, seed=3, mixing=mixing_, process_index=process_index,
                           shard_by_process=shard, **kwargs)
