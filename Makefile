@@ -26,11 +26,11 @@ quickstart: install
 
 # The fast tier, then the tests marked slow (processes killed and relaunched).
 test: install
-	$(BIN)/python -m pytest -q -n 2 --durations=15 -m "not slow" tests
-	$(BIN)/python -m pytest -q -n 2 --durations=5 -m slow tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=5 -m slow tests
 
 test-fast: install
-	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow" tests
 
 bench: install
 	for f in tests/benchmarks/*.py; do $(BIN)/python $$f || exit 1; done

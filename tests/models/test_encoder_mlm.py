@@ -81,17 +81,21 @@ def test_task_blocks_and_gradients_match_the_whole_batch_under_dropout():
     params = _params(model, batch)
     rng = jax.random.key(3)
     normalizer = model.normalizer(batch)
-    sums, _ = model.loss_sums(params, batch, rng, True)
-    assert not np.allclose(sums, model.loss_sums(params, batch, None, False)[0])  # dropout on
+    # Each computation compiled whole (jit): eagerly, every op of it compiles on its own.
+    loss_sums = jax.jit(lambda p, b: model.loss_sums(p, b, rng, True)[0])
+    sums = loss_sums(params, batch)
+    assert not np.allclose(sums, jax.jit(lambda p, b: model.loss_sums(p, b, None, False)[0])(
+        params, batch))  # dropout on
     for t, rows in enumerate((slice(0, 3), slice(3, 8))):
         block = {k: v[rows] for k, v in batch.items()}
-        np.testing.assert_allclose(model.loss_sums(params, block, rng, True)[0][t], sums[t], rtol=1e-5)
-    plain = jax.grad(lambda p: model.task_losses(p, batch, rng, True, normalizer=normalizer)[0].sum())(params)
+        np.testing.assert_allclose(loss_sums(params, block)[t], sums[t], rtol=1e-5)
+    plain = jax.jit(jax.grad(
+        lambda p: model.task_losses(p, batch, rng, True, normalizer=normalizer)[0].sum()))(params)
     for method in ("blocks", "vjp"):
-        _, _, tg = compute_task_gradients(
-            lambda q, b: model.loss_sums(q, b, rng, True), normalizer, params, batch,
+        _, _, tg = jax.jit(lambda p, method=method: compute_task_gradients(
+            lambda q, b: model.loss_sums(q, b, rng, True), normalizer, p, batch,
             num_tasks=2, task_counts=COUNTS if method == "blocks" else None, method=method,
-            shared="all")
+            shared="all"))(params)
         # float32 sums in another order: tolerance scaled by the largest gradient entry
         scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(plain))
         jax.tree.map(lambda a, b: np.testing.assert_allclose(

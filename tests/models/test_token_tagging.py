@@ -234,10 +234,13 @@ def test_smart_term_on_a_tagging_head(kind):
     base = _model(kind)
     params, batch, rng = _params(base), with_row_ids(_batch()), jax.random.key(5)
     sm = smart.SmartModel(base, weight=2.0, noise_std=1e-2, step_size=1e-2, epsilon=1e-2)
-    sums, aux = sm.loss_sums(params, batch, rng, True)
-    clean = base.logits(params, batch, rng, True)
-    delta = sm.adversarial_perturbation(params, batch, rng, clean)
-    adversarial = base.logits(params, batch, rng, True, embedding_perturbation=delta)
+    # Each call compiled whole (jit): eagerly, every op of every call compiled on its own.
+    loss_sums = jax.jit(lambda p, b: sm.loss_sums(p, b, rng, True))
+    sums, aux = loss_sums(params, batch)
+    clean = jax.jit(lambda p, b: base.logits(p, b, rng, True))(params, batch)
+    delta = jax.jit(lambda p, b, c: sm.adversarial_perturbation(p, b, rng, c))(params, batch, clean)
+    adversarial = jax.jit(lambda p, b, d: base.logits(p, b, rng, True, embedding_perturbation=d))(
+        params, batch, delta)
     c = [np.asarray(x, np.float64) for x in clean]
     a = [np.asarray(x, np.float64) for x in adversarial]
     labels, attended = np.asarray(batch["token_labels"]), np.asarray(batch["input_ids"]) > 0
@@ -252,7 +255,7 @@ def test_smart_term_on_a_tagging_head(kind):
     assert np.all(term > 0)
     np.testing.assert_allclose(term, want, rtol=2e-3)
     np.testing.assert_allclose(sums, np.asarray(aux["loss"]) + 2.0 * term, rtol=1e-6)
-    blocks = [sm.loss_sums(params, {k: v[r] for k, v in batch.items()}, rng, True)[0]
+    blocks = [loss_sums(params, {k: v[r] for k, v in batch.items()})[0]
               for r in (slice(0, COUNTS[0]), slice(COUNTS[0], B))]
     np.testing.assert_allclose(blocks[0][0], sums[0], rtol=1e-5)
     np.testing.assert_allclose(blocks[1][1], sums[1], rtol=1e-5)
