@@ -25,39 +25,10 @@ Each process gathers only its own rows: unsharded, rows `[i * B / P, (i + 1) * B
 the global batch for `process_index = i` of `P`; `jax.make_array_from_process_local_data`
 (`ktx.partitioning.host_local_to_global`) assembles the global array.
 
-Sharded input (`shard_by_process`, the default with `P > 1`). Unsharded, every process
-reads and caches every task in full and gathers its rows of the one global stream above.
-Sharded, process `i` reads only shard `i` of `P` of each task's training split
-(`task.get_dataset(..., shard_info=seqio.ShardInfo(i, P))`: ktx's sources, and SeqIO for
-a `FunctionDataSource`, split the examples round-robin, so shard sizes differ by at most
-one row; a file-sharded source (SeqIO's offline cache with at least `P` files) splits by
-file). The processes exchange their shard sizes once (an all-gather; processes simulated
-in one, with `process_index` / `process_count` given, read the other shards to count
-them): `task_sizes` is GLOBAL, the sum over the shards, so the mixing schedule and the
-counts of the global batch are those of the unsharded input, while `shard_task_sizes` is
-this process's shard. The process supplies `process_task_counts(s)[t]` rows of task `t`
-at step `s`, from its own shard, in a per-(seed, task, shard epoch, process) permutation
-of the shard, read as a stream from the position `shard_cursors(s)[t]` = the sum of those
-rows over the steps before `s`: every row of a shard is read once per shard epoch (epochs
-are per shard: `shard_epochs_seen`; `epochs_seen` stays global). `shard_cursors` is
-vectorised over the steps with numpy (no batch replayed: 0.25-0.34 s at step 1e6 for
-synthetic_quickstart's 4 tasks on 2 processes, process-grouped, annealed or not, on one
-CPU core) and advanced by one
-step's rows while iterating, so a resumed process recomputes its position from the step
-alone. Which rows a process supplies:
-
-* mixed task-partitioned batches of several tasks: every process supplies its share of
-  EVERY task, `floor` or `ceil` of `counts[t] / P` with `B / P` rows in all
-  (`ktx.data.process_layout.process_shares`; the remainder rows go round the processes
-  from an offset that moves with the step, so every shard is read at the pace of the
-  others), its rows grouped by task in task order. The global batch is then
-  process-grouped, `[p0: t0 t1 ..][p1: t0 t1 ..] ..`, with `counts[t]` rows of task `t`
-  in all but not grouped by task: `process_grouped` is True, and the Trainer
-  (`StepOptions.regroup_by_task`, set by `ktx.runs.train` from it) sorts the rows by task
-  inside the step for the balanced path's task blocks;
-* one task per batch (`Mixing(batches="task_per_batch" | "round_robin")`) or a single
-  task: its row range of the global batch, `B / P` rows of the batch's task;
-* layout "sampled": each row's example is drawn from the process's shard.
+Sharded input (`shard_by_process`, the default with `P > 1`): process `i` reads only shard
+`i` of `P` of each task's training split and supplies its share of every task from it;
+how the shards are sized, read and paced is in `ktx.data.process_layout` ("Sharded
+input").
 
 Evaluation (`eval_batches`, `eval_arrays`) always reads the whole evaluation split in
 every process, sharded or not. With `process_count == 1`, or `shard_by_process=False`,
@@ -79,6 +50,7 @@ import numpy as np
 import seqio
 
 from ktx.data import encoder_features as ef
+from ktx.data import eval_input
 from ktx.data import feature_converter as fc
 from ktx.data import files
 from ktx.data import mixing as mixing_lib
@@ -164,7 +136,7 @@ class MultiTaskInput:
         to SeqIO's global cache directories (`seqio.add_global_cache_dirs`); None: the
         tasks must be cached in those already set.
       shard_by_process: read only shard `process_index` of `process_count` of every task's
-        training split (`seqio.ShardInfo`; module docstring, "Sharded input"; mixed
+        training split (`seqio.ShardInfo`; `ktx.data.process_layout`, "Sharded input"; mixed
         task-partitioned batches become process-grouped, `process_grouped`). None (the
         default): True when `process_count > 1`. False: every process reads every task in
         full and its slice of the task-grouped global batch. Ignored (False) when
@@ -575,20 +547,9 @@ class MultiTaskInput:
         (non-padding) rows in the global batch, which come first. Unpacked.
         """
         batch_size = self.batch_size if batch_size is None else batch_size
-        if batch_size < 1 or batch_size % self.process_count:
-            raise ValueError(
-                f"batch_size={batch_size!r}; accepted: an int >= 1 divisible by process_count={self.process_count}"
-            )
-        arrays = self.eval_arrays(task_name, split)
-        n = arrays["task_id"].shape[0]
-        local = batch_size // self.process_count
-        lo = self.process_index * local
-        for start in range(0, n, batch_size):
-            chunk = {k: v[start:start + batch_size] for k, v in arrays.items()}
-            num_real = chunk["task_id"].shape[0]
-            padded = fc.pad_rows(chunk, batch_size)
-            padded["task_id"][:] = self.task_id(task_name)
-            yield fc.widen({k: v[lo:lo + local] for k, v in padded.items()}), num_real
+        return eval_input.padded_batches(self.eval_arrays(task_name, split),
+                                         self.task_id(task_name), batch_size,
+                                         self.process_index, self.process_count)
 
     def eval_arrays(self, task_name: str, split: str = "validation") -> dict[str, np.ndarray]:
         """All converted (unpacked, compact) rows of one task's split, with `task_id`."""
