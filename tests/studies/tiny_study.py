@@ -12,6 +12,7 @@ RUN_GIN = """
 from __gin__ import dynamic_registration
 import ktx.runs.eval as eval_lib
 import ktx.runs.train as train_script
+import ktx.data.pipeline as pipeline
 include 'runs/train.gin'
 MIXTURE_OR_TASK_NAME = 'synthetic_quickstart'
 TASK_FEATURE_LENGTHS = {{'inputs': 32, 'targets': 8}}
@@ -23,6 +24,7 @@ CHECKPOINT_PERIOD = 1
 EVAL_PERIOD = %TRAIN_STEPS
 train_script.train.evaluators = [@eval_lib.TeacherForcedEvaluator()]
 eval_lib.TeacherForcedEvaluator.batch_size = 256
+pipeline.MultiTaskInput.cache_dir = '{rows}'
 """
 
 STUDY_GIN = """
@@ -49,7 +51,9 @@ def write_tiny_study(folder: pathlib.Path, steps: int = 2, extra: str = "") -> p
     """The study file (and its model and run gin files) in `folder`; runs in folder/study."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "model.gin").write_text(tiny_t5_gin())
-    (folder / "run.gin").write_text(RUN_GIN.format(steps=steps))
+    # The runs share their converted rows (the study's runs read the same tasks; rows are
+    # cached per seed), as a study on real data would.
+    (folder / "run.gin").write_text(RUN_GIN.format(steps=steps, rows=folder / "rows"))
     path = folder / "tiny_study.gin"
     path.write_text(STUDY_GIN.format(directory=folder / "study", model=folder / "model.gin",
                                      run=folder / "run.gin") + extra)
