@@ -5,6 +5,7 @@ give the same sequences; every task-conditioning method gives the same numbers s
 scanned parameters carry the never-sharded `layers` axis."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -26,30 +27,71 @@ def _batch():
     return tiny_t5_batch((0, 1, 0, 1))
 
 
+# Each model, its initial parameters and the unrolled reference outputs are built once per
+# configuration for the file (a scanned stack's eager init or forward compiles its whole
+# scan anew on every call): see `_file_caches`.
+@functools.cache
+def _model(scan, conditioning, remat, cfg_items):
+    config = dataclasses.replace(CFG, scan_layers=scan, remat_policy=remat, **dict(cfg_items))
+    model = seq2seq.EncoderDecoderModel(config, num_tasks=2)
+    if conditioning is not None:
+        model = conditioned_model(model, conditioning)
+    return model
+
+
 def _models(conditioning=None, remat="none", **cfg):
-    out = []
-    for scan in (False, True):
-        config = dataclasses.replace(CFG, scan_layers=scan, remat_policy=remat if scan else "none",
-                                     **cfg)
-        model = seq2seq.EncoderDecoderModel(config, num_tasks=2)
-        if conditioning is not None:
-            model = conditioned_model(model, conditioning)
-        out.append(model)
-    return out
+    """(unrolled, scanned); the unrolled model of a configuration is one object whatever
+    the scanned model's `remat`."""
+    items = tuple(sorted(cfg.items()))
+    return [_model(False, conditioning, "none", items), _model(True, conditioning, remat, items)]
 
 
+@functools.cache
+def _boxed(model):
+    return model.init_variables(jax.random.key(0), _batch())
+
+
+@functools.cache
 def _params(model):
-    return nn.unbox(model.init_variables(jax.random.key(0), _batch()))["params"]
+    return nn.unbox(_boxed(model))["params"]
 
 
-def _loss_and_grad(model, params):
-    batch = _batch()
+def _param_shapes(model):
+    """The shapes (`ShapeDtypeStruct`s) of `_params(model)`, traced, not computed."""
+    return jax.eval_shape(lambda: nn.unbox(model.init_variables(jax.random.key(0), _batch())))[
+        "params"]
 
+
+def _loss_fn(model, batch):
     def loss(p):
         sums, _ = model.loss_sums(p, batch, None, False)
         return sums.sum() / model.normalizer(batch).sum()
 
-    return jax.jit(jax.value_and_grad(loss))(params)
+    return loss
+
+
+def _loss_and_grad(model, params):
+    return jax.jit(jax.value_and_grad(_loss_fn(model, _batch())))(params)
+
+
+def _logits_loss_and_grad(model, params):
+    """Teacher-forced logits, loss and gradient, one program."""
+    batch = _batch()
+    value_and_grad = jax.value_and_grad(_loss_fn(model, batch))
+    return jax.jit(lambda p: (model.logits(p, batch), value_and_grad(p)))(params)
+
+
+@functools.cache
+def _unrolled_reference(unrolled):
+    params = _params(unrolled)
+    return params, *_logits_loss_and_grad(unrolled, params)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _file_caches():
+    yield
+    for f in (_model, _boxed, _params, _unrolled_reference, _task_gradients):
+        f.cache_clear()
 
 
 def _close(a, b, rtol=2e-5, atol=1e-6):
@@ -58,18 +100,14 @@ def _close(a, b, rtol=2e-5, atol=1e-6):
 
 
 def _check_same(unrolled, scanned):
-    params = _params(unrolled)
+    params, logits0, (loss0, grad0) = _unrolled_reference(unrolled)
     converted = scan_layout.convert_layout(params, scanned=True)
     # The converted tree is exactly what the scanned model initialises (names, shapes).
-    init = _params(scanned)
+    init = _param_shapes(scanned)
     assert jax.tree.structure(converted) == jax.tree.structure(init)
     jax.tree.map(lambda a, b: np.testing.assert_equal(a.shape, b.shape), converted, init)
-    batch = _batch()
-    logits0 = unrolled.logits(params, batch)
-    logits1 = scanned.logits(converted, batch)
+    logits1, (loss1, grad1) = _logits_loss_and_grad(scanned, converted)
     np.testing.assert_allclose(logits1, logits0, rtol=1e-5, atol=1e-5)
-    loss0, grad0 = _loss_and_grad(unrolled, params)
-    loss1, grad1 = _loss_and_grad(scanned, converted)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     _close(scan_layout.convert_layout(grad1, scanned=False), grad0)
     return params, converted
@@ -127,7 +165,7 @@ def test_decoding_with_cache_scanned(method):
 
 def test_scanned_parameters_carry_the_layers_axis():
     _, scanned = _models()
-    boxed = scanned.init_variables(jax.random.key(0), _batch())["params"]
+    boxed = _boxed(scanned)["params"]
     specs = nn.get_partition_spec(boxed)
     assert tuple(specs["encoder"]["layers"]["mlp"]["wi_0"]["kernel"]) == ("layers", "embed", "mlp")
     assert tuple(specs["decoder"]["layers"]["encoder_decoder_attention"]["out"]["kernel"]) == (
@@ -215,7 +253,8 @@ def test_frozen_layer_norm_pattern_matches_both_layouts():
     unrolled, scanned = _models(cond)
 
     def trained(model):
-        mask = trainable_mask(_params(model), train_backbone=False, train_layer_norms=True)
+        mask = trainable_mask(_param_shapes(model), train_backbone=False,
+                              train_layer_norms=True)
         return {re.sub(r"layers_\d+", "layers", name(p))
                 for p, m in jax.tree_util.tree_leaves_with_path(mask) if m}
 
@@ -269,29 +308,39 @@ def test_attention_analysis_scanned_equals_unrolled():
             np.testing.assert_allclose(b["token_entropy"], a["token_entropy"], rtol=1e-5)
 
 
+def _task_batch():
+    return {**_batch(), "task_id": np.array([0, 0, 1, 1], np.int32),
+            "row_id": np.arange(4, dtype=np.int32)}
+
+
+@functools.cache
+def _task_gradients(scan, train, how):
+    """Per-task losses and gradients of `_models(remat="full")` (the scanned one on the
+    unrolled parameters converted), computed once per (layout, dropout, method) for the
+    file: both methods' tests compare the two methods on the scanned model."""
+    from ktx import optim
+
+    model = _models(remat="full")[int(scan)]
+    params = _params(_models(remat="full")[0])
+    if scan:
+        params = scan_layout.convert_layout(params, scanned=True)
+    batch = _task_batch()
+
+    def sums(pp, b):
+        return model.loss_sums(pp, b, jax.random.key(3), train)
+
+    return jax.jit(lambda q: optim.compute_task_gradients(
+        sums, model.normalizer(batch), q, batch, num_tasks=2, task_counts=(2, 2),
+        method=how, shared=(".*",), check_layout=False))(params)
+
+
 @pytest.mark.parametrize("method", ["blocks", "vjp"])
 def test_per_task_gradients_scanned_equal_unrolled(method):
     """The per-task gradient engine (task blocks; vmapped VJP) through the scanned stack,
     dropout on (keyed per row, so each layout is compared with itself on two paths) and
     off (compared across layouts)."""
-    from ktx import optim
-
-    unrolled, scanned = _models(remat="full")
-    params = _params(unrolled)
-    converted = scan_layout.convert_layout(params, scanned=True)
-    batch = {**_batch(), "task_id": np.array([0, 0, 1, 1], np.int32),
-             "row_id": np.arange(4, dtype=np.int32)}
-
-    def grads(model, p, train, how):
-        def sums(pp, b):
-            return model.loss_sums(pp, b, jax.random.key(3), train)
-
-        return jax.jit(lambda q: optim.compute_task_gradients(
-            sums, model.normalizer(batch), q, batch, num_tasks=2, task_counts=(2, 2),
-            method=how, shared=(".*",), check_layout=False))(p)
-
-    l0, _, g0 = grads(unrolled, params, False, method)
-    l1, _, g1 = grads(scanned, converted, False, method)
+    l0, _, g0 = _task_gradients(False, False, method)
+    l1, _, g1 = _task_gradients(True, False, method)
     np.testing.assert_allclose(l1, l0, rtol=1e-5)
     # The task axis leads: convert each task's gradient separately.
     for t in range(2):
@@ -299,8 +348,8 @@ def test_per_task_gradients_scanned_equal_unrolled(method):
                jax.tree.map(lambda x: x[t], g0.stacked))
     # Dropout on: the blocks and VJP paths agree with each other on the scanned model.
     other = "vjp" if method == "blocks" else "blocks"
-    a = grads(scanned, converted, True, method)
-    b = grads(scanned, converted, True, other)
+    a = _task_gradients(True, True, method)
+    b = _task_gradients(True, True, other)
     np.testing.assert_allclose(a[0], b[0], rtol=1e-5)
     _close(a[2].stacked, b[2].stacked, rtol=1e-4, atol=1e-6)
 
