@@ -74,6 +74,19 @@ def test_unknown_macro_flag_suggests_close_macro(tmp_path):
     assert "--gin.TRAIN_STEPSS=3" in msg and "TRAIN_STEPS" in msg
 
 
+def test_slots_advice_bindings_work_when_pasted():
+    """The balanced-step advice `ktx train` prints (`slots_advice`) names bindings that parse
+    with runs/train.gin and give the input rows in blocks."""
+    from ktx.optim.device_slots import slots_advice
+
+    advice = slots_advice([(1, 9, 1, 49, 1, 53, 14, 0)], 32)
+    flags = [a[len("--gin."):].split("=", 1) for a in advice.split() if a.startswith("--gin.")]
+    assert len(flags) == 2
+    cli.parse_gin(["runs/quickstart.gin"], [tuple(f) for f in flags])
+    mixing = gin.query_parameter("pipeline.MultiTaskInput.mixing").scoped_configurable_fn()
+    assert (mixing.kind, mixing.block_rows) == ("mixture", 4)
+
+
 def test_missing_gin_file_suggests(tmp_path):
     with pytest.raises(cli.GinConfigError, match="runs/train.gin"):
         cli.parse_gin(["runs/trian.gin"])

@@ -62,10 +62,19 @@ def test_cli_precompile_on_local_devices(tmp_path, capsys):
     code = cli.main(["precompile", "--topology=cpu", "--gin_file=runs/train.gin",
                      f"--gin_file={model}", "--gin.NUM_TASKS=4", "--gin.BATCH_SIZE=8",
                      "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 4}",
-                     "--gin_file=optim/metabalance.gin"])
+                     "--gin_file=optim/metabalance.gin", "--gin.PRECOMPILE_TASK_COUNTS=[3, 1, 2, 2]"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "topology cpu" in out.out and "arguments" in out.out and "FLOPs/step" in out.out
+    # The balanced step is compiled for the given rows per task: one row per device here.
+    assert ("per-task    task counts (3, 1, 2, 2): device by device, one task on each device"
+            in out.out), out.out
+
+
+def test_cli_precompile_rejects_bad_task_counts(tmp_path, capsys):
+    assert cli.main(_tiny_cli_args(tmp_path, "--gin.PRECOMPILE_TASK_COUNTS=[9, 0]")) == 2
+    assert ("PRECOMPILE_TASK_COUNTS=[9, 0]; accepted: 2 row counts (one per task, ints >= 0) "
+            "summing to BATCH_SIZE=8, e.g. [4, 4]") in capsys.readouterr().err
 
 
 def _tiny_cli_args(tmp_path, *extra):

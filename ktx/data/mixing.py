@@ -37,6 +37,14 @@ task whose quota loses the remainder competition then gets 0 rows in every batch
 piece and is never trained on, which the pipeline warns about; its advantage is one
 count tuple per piece (a balancer that compiles per count tuple compiles once).
 
+Rows in blocks (`Mixing.block_rows = b`, a divisor of `B`): the counts above are taken
+for a batch of `B / b` blocks (`min_count` rounded up to whole blocks) and every task's
+rows come in whole blocks of `b` rows. With `b` the rows of one `data` device (`B / data`)
+every device holds one task's rows, and a balanced step on a mesh takes its per-task
+gradients at the plain step's backward pass (`ktx.optim.device_slots`: one slot per
+device); the price is a coarser share per step (a task's rows arrive `b` at a time, the
+carried quotas' bound is `b` times the one above, in rows).
+
 `min_count` (the pipeline's `min_rows_per_task`) guarantees every task with a positive
 rate that many rows in every batch; the sampled layout draws each row's task with
 probability `r_t` instead.
@@ -297,6 +305,9 @@ class RateSchedule:
       shares: `[P, T]` how the remaining `B - counts.sum()` rows of each batch are shared
         over the steps of a piece; None: nothing remains, the counts are constant.
       batch_size: `B`; None: `counts` of each piece sum to it (no carried quotas).
+      unit: rows per block (`Mixing.block_rows`): `counts`, `shares` and `batch_size` are
+        in blocks of `unit` rows, and `counts_at` / `consumed_before` give rows (blocks
+        times `unit`). 1: rows.
     """
 
     starts: np.ndarray
@@ -304,6 +315,7 @@ class RateSchedule:
     counts: np.ndarray
     shares: np.ndarray | None = None
     batch_size: int | None = None
+    unit: int = 1
 
     def __post_init__(self):
         starts = np.asarray(self.starts, dtype=np.int64)
@@ -326,6 +338,8 @@ class RateSchedule:
         object.__setattr__(self, "shares", shares)
         object.__setattr__(self, "batch_size", batch_size)
         object.__setattr__(self, "_remaining", batch_size - per_piece)
+        if int(self.unit) < 1:
+            raise ValueError(f"unit={self.unit!r}; accepted: an int >= 1")
 
     @property
     def num_tasks(self) -> int:
@@ -366,7 +380,7 @@ class RateSchedule:
         total = np.zeros(self.num_tasks, np.int64)
         for k in range(piece):
             total += self._within(k, int(self.starts[k + 1] - self.starts[k]))
-        return total + self._within(piece, int(step - self.starts[piece]))
+        return self.unit * (total + self._within(piece, int(step - self.starts[piece])))
 
     def _within_many(self, piece: int, steps: np.ndarray) -> np.ndarray:
         """`[N, T]` rows of the first `steps[k]` steps of `piece` (`_within`, vectorised)."""
@@ -390,7 +404,7 @@ class RateSchedule:
                 out[sel] = before + self._within_many(k, steps[sel] - self.starts[k])
             if k + 1 < self.starts.size:
                 before = before + self._within(k, int(self.starts[k + 1] - self.starts[k]))
-        return out
+        return self.unit * out
 
     def rate_sum_before(self, step: int) -> np.ndarray:
         """`[T]` sum of the rates over steps `0 .. step - 1` (expected rows / batch size)."""
@@ -443,6 +457,9 @@ class Mixing:
         steps); False: the same largest-remainder counts in every batch of a piece.
       batches: "mixed" (every batch shares its rows among the tasks, as above),
         "round_robin" or "task_per_batch" (one task per batch; module docstring).
+      block_rows: every task's rows in a "mixed" batch come in whole blocks of this many
+        rows (a divisor of the batch size); the rows of one `data` device make a balanced
+        step on a mesh cost one backward pass (module docstring). 1: single rows.
     """
 
     kind: str = "mixture"
@@ -452,6 +469,7 @@ class Mixing:
     steps_per_epoch: int | None = None
     carry: bool = True
     batches: str = "mixed"
+    block_rows: int = 1
 
     def __post_init__(self):
         if self.kind not in MIXING_KINDS:
@@ -465,6 +483,9 @@ class Mixing:
             )
         if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
             raise ValueError(f"Mixing.steps_per_epoch={self.steps_per_epoch!r}; accepted: >= 1 or None")
+        if not isinstance(self.block_rows, (int, np.integer)) or self.block_rows < 1:
+            raise ValueError(f"Mixing.block_rows={self.block_rows!r}; accepted: an int >= 1 "
+                             "(rows per task block, e.g. the batch size / the data axis)")
 
     def schedule(
         self,
@@ -509,11 +530,21 @@ class Mixing:
                     f"min_rows_per_task={min_count} asks for every task in every batch: set it to 0")
             return TaskPerBatchSchedule(np.array(starts), rates, np.zeros(rates.shape, np.int64),
                                         rates, batch_size, batches=self.batches)
+        unit = int(self.block_rows)
+        if batch_size % unit:
+            raise ValueError(f"Mixing.block_rows={unit} does not divide the batch size {batch_size}; "
+                             "accepted: a divisor of it (e.g. batch size / the mesh's data axis)")
+        blocks, min_blocks = batch_size // unit, -(-min_count // unit)
+        positive = int((rates > 0).any(axis=0).sum())
+        if unit > 1 and min_blocks * unit * positive > batch_size:
+            raise ValueError(
+                f"min_count={min_count} in blocks of Mixing.block_rows={unit} rows for {positive} "
+                f"tasks needs {min_blocks * unit * positive} rows, more than batch_size={batch_size}")
         if not self.carry:
-            counts = np.array([largest_remainder_counts(p, batch_size, min_count) for p in pieces], np.int64)
-            return RateSchedule(np.array(starts), rates, counts)
-        base, shares = zip(*(_base_and_shares(p, batch_size, min_count) for p in pieces))
-        return RateSchedule(np.array(starts), rates, np.stack(base), np.stack(shares), batch_size)
+            counts = np.array([largest_remainder_counts(p, blocks, min_blocks) for p in pieces], np.int64)
+            return RateSchedule(np.array(starts), rates, counts, unit=unit)
+        base, shares = zip(*(_base_and_shares(p, blocks, min_blocks) for p in pieces))
+        return RateSchedule(np.array(starts), rates, np.stack(base), np.stack(shares), blocks, unit=unit)
 
 
 def parse_mixing(mixing: Mixing | str | None) -> Mixing:

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec
 
 from ktx.partitioning import DATA
 
-__all__ = ["device_slots", "per_device_task_gradients", "default_scatter_dim"]
+__all__ = ["device_slots", "per_device_task_gradients", "default_scatter_dim", "slots_advice"]
 
 
 def device_slots(counts: Sequence[int], data: int) -> int:
@@ -65,6 +65,27 @@ def device_slots(counts: Sequence[int], data: int) -> int:
         n = sum(1 for s, e, c in zip(starts, ends, counts) if c and s < hi and e > lo)
         most = max(most, n)
     return most
+
+
+def slots_advice(counts_per_step: Sequence[Sequence[int]], data: int) -> str | None:
+    """One line for a run whose task-grouped batches (`counts_per_step`, rows per task of
+    some steps) put several tasks' rows on one of `data` devices, where a balanced step's
+    per-task gradients cost a backward pass per task on a device (or the blocks' padded
+    rows): how much, and the binding that gives every device one task's rows. None when
+    every device holds one task already, or `data` is 1."""
+    steps = [tuple(int(c) for c in counts) for counts in counts_per_step]
+    if data < 2 or not steps:
+        return None
+    rows = sum(steps[0])
+    slots = max(device_slots(c, data) for c in steps)
+    if slots == 1 or rows % data:
+        return None
+    block = rows // data
+    return (f"Balanced step: up to {slots} tasks' rows on one of the {data} data devices "
+            f"(task boundaries inside a device's {block} rows), so per-task gradients cost up "
+            f"to ~{(1 + 2 * slots) / 3:.1f}x a plain step; one task per device: "
+            f"--gin.pipeline.MultiTaskInput.mixing=@mixing.Mixing() "
+            f"--gin.mixing.Mixing.block_rows={block} (ktx.data.mixing, rows in blocks)")
 
 
 def default_scatter_dim(shape: Sequence[int], ways: int, avoid: Sequence[int] = ()) -> int | None:

@@ -48,6 +48,24 @@ __all__ = ["TrainInput", "check_train_input", "NonFiniteLossError", "Prefetcher"
 _log = logging.getLogger(__name__)
 
 
+def _print_slots_advice(trainer: Trainer, train_input: Any, steps: int = 64) -> None:
+    """Says so when a balanced step on this mesh takes per-task gradients of devices that
+    hold several tasks' rows (`ktx.optim.device_slots.slots_advice`), from the counts of
+    the input's first `steps` steps."""
+    from ktx.optim.device_slots import slots_advice
+
+    options = trainer.options
+    shortcut = (trainer.optimizer.weights_from_losses and options.weights_from_losses
+                and options.num_microbatches == 1)
+    counts = getattr(train_input, "task_counts", lambda step: None)
+    if not trainer.optimizer.balanced or shortcut or counts(0) is None:
+        return
+    advice = slots_advice([counts(s) for s in range(steps)],
+                          int(trainer.mesh.shape[partitioning.DATA]))
+    if advice:
+        print(advice, flush=True)
+
+
 @runtime_checkable
 class TrainInput(Protocol):
     """What the training loop reads: this process's rows of the global batch of each step.
@@ -327,6 +345,7 @@ def train(
         print(f"Input: process {jax.process_index()} of {jax.process_count()} supplies its share "
               "of every task from its own shards (process-grouped batches; the balanced step "
               "regroups them by task)", flush=True)
+    _print_slots_advice(trainer, train_input)
     first_batch = train_input.get_batch(0)
     candidates = _host_rows(first_batch) * jax.process_count()
     if mt_uncertainty_rows and mt_uncertainty_rows > candidates:

@@ -94,6 +94,7 @@ class PrecompileReport:
     hbm_bytes: int | None
     peak_flops: float | None
     compile_seconds: float
+    task_layout: str | None = None  # a balanced step: how it takes per-task gradients
 
     @property
     def total_bytes(self) -> int:
@@ -134,6 +135,8 @@ class PrecompileReport:
                 line += (f"; at peak {t * 1e3:.2f} ms/step" if t >= 1e-4
                          else f"; at peak {t * 1e6:.2f} us/step")
             lines.append(line)
+        if self.task_layout:
+            lines.append(f"  per-task    {self.task_layout}")
         if self.fits is False:
             lines.append(f"  DOES NOT FIT: {g(self.total_bytes - self.hbm_bytes).strip()} over the HBM")
         elif self.fits:
@@ -239,14 +242,16 @@ def precompile(
     parameter_partitioning_dims: int = 1,
     target_task: int = 0,
     weights_from_losses: bool = True,
+    task_counts: Sequence[int] | None = None,
     on_compile: Callable[[dict[str, int]], None] | None = None,
 ) -> PrecompileReport:
     """Lowers and compiles one train step for `topology`; see the module docstring.
 
     The batch is `model.input_spec(batch_size, task_feature_lengths)`; a balanced step is
-    compiled for equal task counts (within one row), with the task blocks `ktx train`'s
-    step uses for them (`Trainer.lower_train_step(task_counts=...)`: rounded up to the
-    `data` axis).
+    compiled for `task_counts` rows of each task (gin `PRECOMPILE_TASK_COUNTS`; None: equal
+    counts, within one row), as `ktx train`'s step takes its per-task gradients for them
+    (`Trainer.lower_train_step(task_counts=...)`: device by device, or task blocks rounded
+    up to the `data` axis; the report's `task_layout` says which).
     `on_compile(mesh_shape)` is called once the step is lowered, just before XLA compiles it.
     """
     devices = topology_devices(topology)
@@ -266,8 +271,22 @@ def precompile(
     if balancer is not None and num_microbatches == 1:
         t = model.num_tasks
         counts = tuple(batch_size // t + (1 if i < batch_size % t else 0) for i in range(t))
+        if task_counts is not None:
+            counts = tuple(int(c) for c in task_counts)
+            if len(counts) != t or sum(counts) != batch_size or min(counts) < 0:
+                raise ValueError(
+                    f"PRECOMPILE_TASK_COUNTS={tuple(task_counts)}; accepted: {t} row counts "
+                    f"(one per task), each >= 0, summing to the batch size {batch_size}")
     start = time.perf_counter()
     lowered = trainer.lower_train_step(abstract_state, batch, rng, task_counts=counts)
+    layout = None
+    if counts is not None:
+        capacity = trainer._capacity_for(counts)  # what the lowered step was built for
+        layout = (f"task counts {counts}: " + (
+            "loss-weighted shortcut (no per-task gradients)" if capacity is None else
+            ("device by device, one task on each device" if capacity[1] == 1 else
+             f"device by device, up to {capacity[1]} tasks on a device")
+            if capacity[0] == "devices" else f"task blocks of {tuple(capacity)} rows"))
     if on_compile is not None:
         on_compile(dict(mesh.shape))
     try:
@@ -300,6 +319,7 @@ def precompile(
         hbm_bytes=None if chip is None else int(chip.hbm_gib * 2 ** 30 * share),
         peak_flops=None if chip is None else chip.peak_tflops * 1e12 * share,
         compile_seconds=seconds,
+        task_layout=layout,
     )
 
 

@@ -144,6 +144,51 @@ def test_carried_counts_keep_min_count():
         assert min(counts) >= 1 and sum(counts) == 8
 
 
+GLUE_SIZES = [8551, 67349, 3668, 363846, 5749, 392702, 104743, 2490]  # CoLA .. RTE, train
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_block_rows_put_one_task_on_each_data_device(carry):
+    """GLUE at batch 128 on a 32-way `data` axis: single rows put up to 3 tasks on one
+    device (4 rows each); in blocks of 4 rows every device holds one task, the steps sum
+    to the batch, the closed form holds, and the shares stay the rates over the steps."""
+    from ktx.optim.device_slots import device_slots, slots_advice
+
+    rows = mixing.Mixing("proportional", carry=carry).schedule(GLUE_SIZES, 128)
+    assert max(device_slots(rows.counts_at(s), 32) for s in range(200)) == 3
+    sched = mixing.Mixing("proportional", carry=carry, block_rows=4).schedule(GLUE_SIZES, 128)
+    counts = np.array([sched.counts_at(s) for s in range(2000)])
+    assert (counts % 4 == 0).all() and (counts.sum(axis=1) == 128).all()
+    assert {device_slots(c, 32) for c in counts} == {1}
+    consumed = sched.consumed_before_many(np.arange(2001))
+    np.testing.assert_array_equal(np.diff(consumed, axis=0), counts)
+    np.testing.assert_array_equal(consumed[1234], sched.consumed_before(1234))
+    if carry:  # within the bound in blocks (4 rows each) of the rates' share
+        rates = mixing.proportional_rates(GLUE_SIZES)
+        bound = 4 * np.ceil(np.log2(len(GLUE_SIZES))) / 2
+        assert np.abs(consumed[2000] - 2000 * 128 * rates).max() <= bound
+    assert slots_advice([rows.counts_at(s) for s in range(64)], 32) == (
+        "Balanced step: up to 3 tasks' rows on one of the 32 data devices (task boundaries "
+        "inside a device's 4 rows), so per-task gradients cost up to ~2.3x a plain step; one "
+        "task per device: --gin.pipeline.MultiTaskInput.mixing=@mixing.Mixing() "
+        "--gin.mixing.Mixing.block_rows=4 (ktx.data.mixing, rows in blocks)")
+    assert slots_advice(counts[:64], 32) is None
+    assert slots_advice([rows.counts_at(0)], 1) is None
+    # min_count is kept, in whole blocks: every task gets a block in every batch.
+    kept = mixing.Mixing("proportional", block_rows=4).schedule(GLUE_SIZES, 128, min_count=1)
+    assert all(min(kept.counts_at(s)) >= 4 for s in range(100))
+
+
+def test_block_rows_validation():
+    with pytest.raises(ValueError, match="block_rows=0; accepted: an int >= 1"):
+        mixing.Mixing(block_rows=0)
+    with pytest.raises(ValueError, match="block_rows=5 does not divide the batch size 128"):
+        mixing.Mixing("equal", block_rows=5).schedule([1, 2], 128)
+    with pytest.raises(ValueError, match="min_count=1 in blocks of Mixing.block_rows=64 rows "
+                                         "for 3 tasks needs 192 rows, more than batch_size=128"):
+        mixing.Mixing("equal", block_rows=64).schedule([1, 2, 3], 128, min_count=1)
+
+
 def test_mixing_validation():
     with pytest.raises(ValueError, match="accepted"):
         mixing.Mixing("uniform")
