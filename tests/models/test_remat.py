@@ -4,6 +4,7 @@ included; the policy really reaches the layers; a bad value is a clear error."""
 
 import contextlib
 import dataclasses
+import functools
 import io
 
 import flax.linen as nn
@@ -31,6 +32,9 @@ def _batch():
     return tiny_t5_batch((0, 0, 1, 1), row_ids=True)
 
 
+# Models, their initial parameters and the policy 'none' reference of each configuration
+# are built once for the file (`_file_caches`).
+@functools.cache
 def _model(policy, conditioning=None):
     model = seq2seq.EncoderDecoderModel(dataclasses.replace(CFG, remat_policy=policy), num_tasks=2)
     if conditioning is not None:
@@ -38,8 +42,15 @@ def _model(policy, conditioning=None):
     return model
 
 
+@functools.cache
 def _params(model):
     return nn.unbox(model.init_variables(jax.random.key(0), _batch()))["params"]
+
+
+def _param_shapes(model):
+    """The shapes (`ShapeDtypeStruct`s) of `_params(model)`, traced, not computed."""
+    return jax.eval_shape(lambda: nn.unbox(model.init_variables(jax.random.key(0), _batch())))[
+        "params"]
 
 
 def _loss_and_grad(model, params, train=True):
@@ -52,6 +63,21 @@ def _loss_and_grad(model, params, train=True):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@functools.cache
+def _none_reference(conditioning):
+    """Policy 'none': its parameters, loss and gradients (dropout on)."""
+    plain = _model("none", conditioning)
+    params = _params(plain)
+    return params, *_loss_and_grad(plain, params)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _file_caches():
+    yield
+    for f in (_model, _params, _none_reference, _bert_none_reference):
+        f.cache_clear()
+
+
 def _close(a, b, rtol=1e-5, atol=1e-6):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
 
@@ -62,12 +88,10 @@ def test_same_loss_and_gradients_as_none(policy, conditioning):
     cond = None if conditioning is None else ConditioningConfig(
         method=conditioning, encoder_prompt_length=2, decoder_prompt_length=2,
         reduction_factor=4, task_embed_dim=4, task_hidden_dim=8, projected_dim=4)
-    plain = _model("none", cond)
-    params = _params(plain)
+    params, loss0, grad0 = _none_reference(cond)  # dropout on: per-row keys
     remat = _model(policy, cond)
     # Same parameter tree: a checkpoint of one loads into the other.
-    assert jax.tree.structure(_params(remat)) == jax.tree.structure(params)
-    loss0, grad0 = _loss_and_grad(plain, params)  # dropout on: per-row keys
+    assert jax.tree.structure(_param_shapes(remat)) == jax.tree.structure(params)
     loss1, grad1 = _loss_and_grad(remat, params)
     assert np.isfinite(loss0) and loss0 > 0
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
@@ -101,7 +125,7 @@ def test_attention_keeps_only_its_scores_for_the_backward_pass(scan):
     the dropped ones), and a scanned stack carries one such `[L, ...]` stack per attention."""
     batch = _batch()
     model = seq2seq.EncoderDecoderModel(dataclasses.replace(CFG, scan_layers=scan), num_tasks=2)
-    params = _params(model)
+    params = _param_shapes(model)  # traced only: the residuals depend on shapes alone
 
     def loss(p):
         return model.loss_sums(p, batch, jax.random.key(3), True)[0].sum()
@@ -167,32 +191,47 @@ def test_bad_policy_is_a_clear_error(bad):
         t5.T5Config(remat_policy=bad)
 
 
-@pytest.mark.parametrize("policy", ["minimal", "full"])
-def test_bert_encoder_same_loss_and_gradients(policy):
+def _bert_model(policy):
     from ktx.models import bert, encoder
 
-    def model(p):
-        config = bert.BertConfig(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2,
-                                 intermediate_size=32, max_position=16, remat_policy=p)
-        return encoder.EncoderClassifierModel(config, num_labels=(3, 1), shared_layers=1)
+    config = bert.BertConfig(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2,
+                             intermediate_size=32, max_position=16, remat_policy=policy)
+    return encoder.EncoderClassifierModel(config, num_labels=(3, 1), shared_layers=1)
 
+
+def _bert_batch():
     ids = (np.arange(32).reshape(4, 8) * 7) % 39 + 1
-    batch = {"input_ids": jnp.asarray(ids, jnp.int32),
-             "token_type_ids": jnp.zeros((4, 8), jnp.int32),
-             "label": jnp.asarray([0.0, 2.0, 0.5, -0.5]),
-             "task_id": jnp.asarray([0, 0, 1, 1], jnp.int32),
-             "row_id": jnp.arange(4, dtype=jnp.int32)}
-    plain = model("none")
+    return {"input_ids": jnp.asarray(ids, jnp.int32),
+            "token_type_ids": jnp.zeros((4, 8), jnp.int32),
+            "label": jnp.asarray([0.0, 2.0, 0.5, -0.5]),
+            "task_id": jnp.asarray([0, 0, 1, 1], jnp.int32),
+            "row_id": jnp.arange(4, dtype=jnp.int32)}
+
+
+def _bert_loss_grad(m, params, batch):
+    return jax.jit(jax.value_and_grad(
+        lambda p: m.loss_sums(p, batch, jax.random.key(2), True)[0].sum()))(params)
+
+
+@functools.cache
+def _bert_none_reference():
+    """The BERT encoder with policy 'none': its parameters, loss and gradients."""
+    batch = _bert_batch()
+    plain = _bert_model("none")
     params = nn.unbox(plain.init_variables(jax.random.key(0), batch)["params"])
+    return params, *_bert_loss_grad(plain, params, batch)
 
-    def loss_grad(m):
-        return jax.jit(jax.value_and_grad(
-            lambda p: m.loss_sums(p, batch, jax.random.key(2), True)[0].sum()))(params)
 
-    remat = model(policy)
-    assert jax.tree.structure(
-        nn.unbox(remat.init_variables(jax.random.key(0), batch)["params"])) == jax.tree.structure(params)
-    (l0, g0), (l1, g1) = loss_grad(plain), loss_grad(remat)
+@pytest.mark.parametrize("policy", ["minimal", "full"])
+def test_bert_encoder_same_loss_and_gradients(policy):
+    from ktx.models import bert
+
+    batch = _bert_batch()
+    params, l0, g0 = _bert_none_reference()
+    remat = _bert_model(policy)
+    assert jax.tree.structure(jax.eval_shape(lambda: nn.unbox(
+        remat.init_variables(jax.random.key(0), batch)["params"]))) == jax.tree.structure(params)
+    l1, g1 = _bert_loss_grad(remat, params, batch)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     _close(g1, g0)
     text = str(jax.make_jaxpr(jax.grad(
