@@ -68,24 +68,28 @@ def device_slots(counts: Sequence[int], data: int) -> int:
 
 
 def slots_advice(counts_per_step: Sequence[Sequence[int]], data: int) -> str | None:
-    """One line for a run whose task-grouped batches (`counts_per_step`, rows per task of
-    some steps) put several tasks' rows on one of `data` devices, where a balanced step's
-    per-task gradients cost a backward pass per task on a device (or the blocks' padded
-    rows): how much, and the binding that gives every device one task's rows. None when
-    every device holds one task already, or `data` is 1."""
+    """One line for a balanced run that takes per-task gradients device by device on a
+    `data`-way axis, when its task-grouped batches (`counts_per_step`, rows per task of some
+    steps) put several tasks' rows on one device, which then runs one backward pass per
+    task it holds: the cost (the Trainer's estimate; "auto" takes the task blocks where
+    they are cheaper) and the binding that puts one task on each device (rows in blocks
+    of `B / data`, `ktx.data.mixing.Mixing.block_rows`). None when every device holds one
+    task, or `data` is 1."""
     steps = [tuple(int(c) for c in counts) for counts in counts_per_step]
-    if data < 2 or not steps:
+    if data < 2 or not steps or sum(steps[0]) % data:
         return None
     rows = sum(steps[0])
     slots = max(device_slots(c, data) for c in steps)
-    if slots == 1 or rows % data:
+    if slots == 1:
         return None
-    block = rows // data
-    return (f"Balanced step: up to {slots} tasks' rows on one of the {data} data devices "
-            f"(task boundaries inside a device's {block} rows), so per-task gradients cost up "
-            f"to ~{(1 + 2 * slots) / 3:.1f}x a plain step; one task per device: "
+    # The blocks the Trainer would compile instead: each task's most rows, padded to the axis.
+    padded = sum(min(-(-max(col) // data) * data, rows) for col in zip(*steps)) / rows
+    cost, block = min((1 + 2 * slots) / 3, padded), rows // data
+    return (f"Balanced step: up to {slots} tasks' rows on one of the {data} data devices, so "
+            f"per-task gradients cost up to ~{cost:.1f}x a plain step; rows in blocks of "
+            f"{block} (batch / data) put one task on each device: "
             f"--gin.pipeline.MultiTaskInput.mixing=@mixing.Mixing() "
-            f"--gin.mixing.Mixing.block_rows={block} (ktx.data.mixing, rows in blocks)")
+            f"--gin.mixing.Mixing.block_rows={block}")
 
 
 def default_scatter_dim(shape: Sequence[int], ways: int, avoid: Sequence[int] = ()) -> int | None:

@@ -315,6 +315,12 @@ class Trainer:
             return dict(batch)
         return partitioning.host_local_to_global(batch, self.mesh, batch_axis)
 
+    @property
+    def task_gradients_by_device(self) -> bool:
+        """Whether balanced steps may take per-task gradients device by device (else in
+        task blocks padded to the `data` axis); see `_devices_method`."""
+        return self._devices_method()
+
     def _devices_method(self) -> bool:
         """Whether balanced steps take per-task gradients device by device
         (`ktx.optim.device_slots`): on a mesh whose `data` axis has several devices, with
