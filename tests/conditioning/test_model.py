@@ -48,8 +48,28 @@ def _batch(rows=4, le=6, ld=4, seed=0):
     }
 
 
+_INITS = {}
+
+
 def _init(model, batch):
-    return nn.meta.unbox(model.init_variables(jax.random.key(0), batch))["params"]
+    """Initial parameters, computed once per module configuration (Flax modules compare by
+    their fields) and batch shape for the file (`_file_caches`)."""
+    key = (model.module, tuple((k, v.shape) for k, v in sorted(batch.items())))
+    if key not in _INITS:
+        _INITS[key] = nn.meta.unbox(model.init_variables(jax.random.key(0), batch))["params"]
+    return _INITS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _file_caches():
+    yield
+    _INITS.clear()
+
+
+def _loss_grad(model, batch, params):
+    """The gradient of `model.loss_fn`, one jitted program (eagerly, its many small ops
+    would each compile alone)."""
+    return jax.jit(jax.grad(lambda p: model.loss_fn(p, batch)[0]))(params)
 
 
 def test_prompt_length_zero_equals_plain_t5_exactly():
@@ -101,7 +121,7 @@ def test_frozen_backbone_trains_only_conditioning():
     model = conditioned_model(_base(), ConditioningConfig(method="prompt_tuning", **SMALL),
                               train_backbone=False)
     params = _init(model, batch)
-    grads = jax.grad(lambda p: model.loss_fn(p, batch)[0])(params)
+    grads = _loss_grad(model, batch, params)
     mask = trainable_mask(params, False)
     for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(mask)):
         assert bool(np.any(np.asarray(g) != 0)) == m
@@ -117,7 +137,7 @@ def test_hyperformer_trains_t5_layer_norms_hypernetworks_and_task_embeddings():
     model = conditioned_model(_base(), ConditioningConfig(method="hyperformer", **SMALL),
                               train_backbone=False, train_layer_norms=True)
     params = _init(model, batch)
-    grads = _paths(jax.grad(lambda p: model.loss_fn(p, batch)[0])(params))
+    grads = _paths(_loss_grad(model, batch, params))
     norms = {p for p in grads if re.search(r"(_layer_norm|_norm)/scale$", p)
              and not p.startswith("conditioning/")}
     # Every pre-norm of every layer and the two final norms: 2 per encoder layer, 3 per
