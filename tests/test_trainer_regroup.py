@@ -25,6 +25,16 @@ PROCESSES = 4
 STEP = 7
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _clear_caches():
+    """The file's cached model, parameters, initial state and jitted gradients, dropped
+    after its tests."""
+    yield
+    for fn in (_model, _params, _grads_fn, _initial_state):
+        fn.cache_clear()
+
+
+@functools.cache
 def _model():
     return seq2seq.EncoderDecoderModel(
         config=t5.T5Config(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=32,
@@ -59,10 +69,32 @@ def _batches():
     return process_grouped, grouped
 
 
-def _params(model, batch):
-    return jax.tree.map(lambda x: getattr(x, "value", x),
-                        model.init_variables(jax.random.key(0), with_row_ids(batch))["params"],
-                        is_leaf=lambda x: hasattr(x, "value"))
+@functools.cache
+def _params():
+    """`_model()`'s unboxed parameters, initialized (jitted) on the task-grouped rows."""
+    model = _model()
+    batch = with_row_ids({k: jnp.asarray(v) for k, v in _batches()[1].items()})
+    return jax.jit(lambda r, b: jax.tree.map(
+        lambda x: getattr(x, "value", x), model.init_variables(r, b)["params"],
+        is_leaf=lambda x: hasattr(x, "value")))(jax.random.key(0), batch)
+
+
+@functools.cache
+def _grads_fn(method, regroup, sparse):
+    """Jitted `(params, batch, rng) -> compute_task_gradients(...)` of `_model()` under
+    dropout: one compile per configuration, shared by batches of one structure."""
+    model = _model()
+
+    def grads(params, batch, rng):
+        if regroup:
+            batch = trainer_lib.group_rows_by_task(batch)
+        return compute_task_gradients(
+            lambda q, b: model.loss_sums(q, b, rng, True), model.normalizer(batch), params,
+            batch, num_tasks=model.num_tasks, shared="all", method=method,
+            task_capacity=COUNTS if method == "blocks" else None,
+            sparse_tables=model.sparse_table_patterns if sparse else None)
+
+    return jax.jit(grads)
 
 
 def test_group_rows_by_task_is_a_stable_sort_that_keeps_row_ids():
@@ -76,20 +108,13 @@ def test_group_rows_by_task_is_a_stable_sort_that_keeps_row_ids():
 def test_regrouped_per_task_gradients_equal_the_task_grouped_ones(sparse):
     """Per-task losses and gradients (task blocks) of the regrouped process-grouped batch
     equal those of the task-grouped rows and the one-hot VJP of the unsorted batch."""
-    model = _model()
     process_grouped, grouped = _batches()
-    params = _params(model, grouped)
+    params = _params()
     rng = jax.random.key(3)
 
     def grads(batch, method, regroup):
         batch = with_row_ids({k: jnp.asarray(v) for k, v in batch.items()})
-        if regroup:
-            batch = trainer_lib.group_rows_by_task(batch)
-        return compute_task_gradients(
-            lambda q, b: model.loss_sums(q, b, rng, True), model.normalizer(batch), params,
-            batch, num_tasks=model.num_tasks, shared="all", method=method,
-            task_capacity=COUNTS if method == "blocks" else None,
-            sparse_tables=model.sparse_table_patterns if sparse else None)
+        return _grads_fn(method, regroup, sparse)(params, batch, rng)
 
     def dense(tg):
         return jax.tree.map(
@@ -97,25 +122,36 @@ def test_regrouped_per_task_gradients_equal_the_task_grouped_ones(sparse):
                 g.rows[t]) for t in range(len(COUNTS))]) if isinstance(g, optim.SparseRows) else g,
             tg.stacked, is_leaf=lambda x: isinstance(x, optim.SparseRows))
 
-    want_losses, _, want = jax.jit(lambda: grads(grouped, "blocks", False))()
+    want_losses, _, want = grads(grouped, "blocks", False)
     assert np.isfinite(want_losses).all()
     for method, batch in (("blocks", process_grouped), ("vjp", process_grouped)):
-        losses, _, got = jax.jit(lambda: grads(batch, method, method == "blocks"))()
+        losses, _, got = grads(batch, method, method == "blocks")
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-7, err_msg=method)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                      dense(got), dense(want))
     assert float(jnp.abs(want_losses).sum()) > 0
     # Row ids matter (dropout): the task-grouped rows numbered by their own positions differ.
     renumbered = {k: v for k, v in grouped.items() if k != ROW_ID}
-    other, _, _ = jax.jit(lambda: grads(renumbered, "blocks", False))()
+    other, _, _ = grads(renumbered, "blocks", False)
     assert not np.allclose(other, want_losses)
+
+
+def _optimizer():
+    return TaskOptimizer(optax.adam(1e-2), balancer=optim.vanilla_multi())
+
+
+@functools.cache
+def _initial_state():
+    """The `Trainer`'s initial state of `_model()` and `_optimizer()` (the step below does
+    not donate it: every `_step` starts from it)."""
+    batch = {k: v for k, v in _batches()[0].items() if k != ROW_ID}
+    return trainer_lib.Trainer(_model(), _optimizer()).init_state(jax.random.key(0), batch)
 
 
 def _step(batch, regroup: bool, check_layout: bool = True):
     model = _model()
-    optimizer = TaskOptimizer(optax.adam(1e-2), balancer=optim.vanilla_multi())
-    trainer = trainer_lib.Trainer(model, optimizer)
-    state = trainer.init_state(jax.random.key(0), {k: v for k, v in batch.items() if k != ROW_ID})
+    optimizer = _optimizer()
+    state = _initial_state()
     options = trainer_lib.StepOptions(grad_method="blocks", task_capacity=COUNTS,
                                       regroup_by_task=regroup, sparse_tables=(),
                                       check_layout=check_layout, weights_from_losses=False)
