@@ -9,6 +9,9 @@
   `Trainer.last_step_flops`): the FLOPs one device runs per step, after partitioning.
   A `lax.scan` over K steps (`steps_per_call`) is counted once per loop body by XLA,
   i.e. one step's FLOPs (`tests/test_throughput.py` checks both against a hand count).
+  So is every other loop: a scanned layer stack (`SCAN_LAYERS=True`) counts one layer
+  and microbatches one microbatch, and the rates understate the model's by up to that
+  factor (docs/training.md).
 * MFU is the model TFLOP/s per device over the device's peak (`device_peak`): the
   published dense bf16 peak of TPUs (`ktx.training.precompile.CHIPS`) and of GPUs
   (`GPU_PEAK_TFLOPS`), or a peak the user measured (`peak_tflops`); on a CPU there is
