@@ -3,6 +3,8 @@ plain gradient and microbatching all compute the same gradient for the same rng.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,15 +61,68 @@ def _recsys_batch(seed=0):
 MODELS = {"t5": (_t5, _t5_batch), "recsys": (_recsys, _recsys_batch)}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _clear_caches():
+    """The file's cached models, parameters, references and jitted gradients, dropped after
+    its tests."""
+    yield
+    for fn in (_model, _init_fn, model_batch_params, _references, _per_task_fn, _initial_state):
+        fn.cache_clear()
+
+
+@functools.cache
+def _model(name):
+    return MODELS[name][0]()
+
+
+@functools.cache
+def _init_fn(name):
+    """Jitted `(rng, batch) -> ` `_model(name)`'s unboxed params."""
+    model = _model(name)
+    return jax.jit(lambda r, b: jax.tree.map(
+        lambda x: getattr(x, "value", x), model.init_variables(r, b)["params"],
+        is_leaf=lambda x: hasattr(x, "value")))
+
+
+@functools.cache
 def model_batch_params(name):
-    """`MODELS[name]`'s model, its batch (numbered rows, jax arrays) and unboxed params."""
-    make_model, make_batch = MODELS[name]
-    model = make_model()
-    batch = with_row_ids({k: jnp.asarray(v) for k, v in make_batch().items()})
-    params = jax.tree.map(lambda x: getattr(x, "value", x),
-                          model.init_variables(jax.random.key(0), batch)["params"],
-                          is_leaf=lambda x: hasattr(x, "value"))
-    return model, batch, params
+    """`MODELS[name]`'s model, its batch (numbered rows, jax arrays) and unboxed params
+    (built once; read only)."""
+    batch = with_row_ids({k: jnp.asarray(v) for k, v in MODELS[name][1]().items()})
+    return _model(name), batch, _init_fn(name)(jax.random.key(0), batch)
+
+
+@functools.cache
+def _references(name, seed=7):
+    """`(plain, want, no_dropout)` of `model_batch_params(name)` with rng `key(seed)`: the
+    plain gradient of the summed task losses, the task losses under dropout, and without."""
+    model, batch, params = model_batch_params(name)
+
+    @jax.jit
+    def refs(p, b, rng):
+        normalizer = model.normalizer(b)
+        plain = jax.grad(lambda q: model.task_losses(q, b, rng, True, normalizer=normalizer)[0].sum())(p)
+        want = model.task_losses(p, b, rng, True, normalizer=normalizer)[0]
+        return plain, want, model.task_losses(p, b, None, False, normalizer=normalizer)[0]
+
+    return refs(params, batch, jax.random.key(seed))
+
+
+@functools.cache
+def _per_task_fn(name, method, sparse):
+    """Jitted `(params, batch, rng) -> compute_task_gradients(...)` of `_model(name)` under
+    dropout (`shared="all"`; task blocks of COUNTS for "blocks")."""
+    model = _model(name)
+
+    @jax.jit
+    def per_task(p, b, rng):
+        return compute_task_gradients(
+            lambda q, c: model.loss_sums(q, c, rng, True), model.normalizer(b), p, b,
+            num_tasks=model.num_tasks, task_counts=COUNTS if method == "blocks" else None,
+            method=method, shared="all",
+            sparse_tables=model.sparse_table_patterns if sparse else None)
+
+    return per_task
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -76,33 +131,32 @@ def model_batch_params(name):
 def test_task_gradients_sum_to_the_plain_gradient_under_dropout(name, method, sparse):
     model, batch, params = model_batch_params(name)
     rng = jax.random.key(7)
-    normalizer = model.normalizer(batch)
+    plain, want, no_dropout = _references(name, 7)
 
-    plain = jax.jit(jax.grad(lambda p: model.task_losses(p, batch, rng, True, normalizer=normalizer)[0].sum()))(params)
-
-    @jax.jit
-    def per_task(p):
-        return compute_task_gradients(
-            lambda q, b: model.loss_sums(q, b, rng, True), normalizer, p, batch,
-            num_tasks=model.num_tasks, task_counts=COUNTS if method == "blocks" else None,
-            method=method, shared="all",
-            sparse_tables=model.sparse_table_patterns if sparse else None)
-
-    losses, _, tg = per_task(params)
+    losses, _, tg = _per_task_fn(name, method, sparse)(params, batch, rng)
     summed = optim.TaskGradients(stacked=tg.stacked, summed=tg.summed)
     total = jax.tree.map(
         lambda g: leaf_combine(g, jnp.ones((model.num_tasks,))) if isinstance(g, optim.SparseRows)
         else g.sum(0), summed.stacked, is_leaf=lambda x: isinstance(x, optim.SparseRows))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), total, plain)
-    want = model.task_losses(params, batch, rng, True, normalizer=normalizer)[0]
     np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-7)
     # Dropout is active: without it the loss differs.
-    assert not np.allclose(model.task_losses(params, batch, None, False, normalizer=normalizer)[0], want)
+    assert not np.allclose(no_dropout, want)
+
+
+@functools.cache
+def _initial_state(balanced):
+    """The T5 `Trainer`'s initial state (host arrays) with Adam, with a per-task balancer
+    (`vanilla_multi`) or without: the same for every step option."""
+    kwargs = {"balancer": optim.vanilla_multi()} if balanced else {}
+    tr = trainer_lib.Trainer(_t5(0.1), optax.adam(1e-2), **kwargs)
+    return jax.device_get(tr.init_state(jax.random.key(0), _t5_batch()))
 
 
 def _three_steps(model, batch, **trainer_kwargs):
     tr = trainer_lib.Trainer(model, optax.adam(1e-2), **trainer_kwargs)
-    state = tr.init_state(jax.random.key(0), batch)
+    tr.create_abstract_state(batch)  # the state, initialized once per optimizer, placed anew
+    state = jax.device_put(_initial_state("balancer" in trainer_kwargs), tr.state_shardings)
     losses = []
     for _ in range(3):
         state, m = tr.train_step(state, batch, jax.random.key(3), task_counts=COUNTS)
@@ -137,23 +191,16 @@ def _dense_rows(g, task):
 def test_t5_sparse_token_embedding_rows_equal_the_dense_task_gradients(method):
     """Every task's rows of T5's token embedding (looked up by the encoder and the decoder),
     scattered back, equal its dense per-task gradient, and its other leaves are unchanged."""
-    model = _t5(0.1)
+    model = _model("t5")  # _t5(0.1)
     batch = with_row_ids({k: jnp.asarray(v) for k, v in _t5_batch(1).items()})
-    params = jax.tree.map(lambda x: getattr(x, "value", x),
-                          model.init_variables(jax.random.key(0), batch)["params"],
-                          is_leaf=lambda x: hasattr(x, "value"))
+    params = _init_fn("t5")(jax.random.key(0), batch)
     rng = jax.random.key(5)
-    normalizer = model.normalizer(batch)
     assert model.sparse_table_patterns == (r"^token_embedder/embedding$",)
 
-    def grads(sparse):
-        return compute_task_gradients(
-            lambda q, b: model.loss_sums(q, b, rng, True), normalizer, params, batch,
-            num_tasks=model.num_tasks, task_counts=COUNTS if method == "blocks" else None,
-            method=method, shared="all",
-            sparse_tables=model.sparse_table_patterns if sparse else None)[2].stacked
+    def grads(sparse):  # the compiles of the test above, on this batch and rng
+        return _per_task_fn("t5", method, sparse)(params, batch, rng)[2].stacked
 
-    sparse, dense = jax.jit(lambda: grads(True))(), jax.jit(lambda: grads(False))()
+    sparse, dense = grads(True), grads(False)
     rows = sparse["token_embedder"]["embedding"]
     assert isinstance(rows, optim.SparseRows)
     for t in range(len(COUNTS)):
@@ -172,9 +219,9 @@ def test_tied_t5_keeps_a_dense_token_embedding():
     model = seq2seq.EncoderDecoderModel(cfg, num_tasks=len(COUNTS))
     assert model.sparse_table_patterns == ()
     batch = with_row_ids({k: jnp.asarray(v) for k, v in _t5_batch().items()})
-    params = jax.tree.map(lambda x: getattr(x, "value", x),
-                          model.init_variables(jax.random.key(0), batch)["params"],
-                          is_leaf=lambda x: hasattr(x, "value"))
+    params = jax.jit(lambda r: jax.tree.map(  # jitted: one compile, not op by op
+        lambda x: getattr(x, "value", x), model.init_variables(r, batch)["params"],
+        is_leaf=lambda x: hasattr(x, "value")))(jax.random.key(0))
     with pytest.raises(ValueError, match="token_embedder/embedding is also used by Embed.attend"):
         compute_task_gradients(
             lambda q, b: model.loss_sums(q, b, None, False), model.normalizer(batch), params,
