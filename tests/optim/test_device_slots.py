@@ -57,7 +57,8 @@ def test_default_scatter_dim_is_the_largest_divisible_dimension():
 def _toy():
     model = ToyModel(num_tasks=4, hidden=16)
     batch = _batch()
-    params = nn.meta.unbox(model.init_variables(jax.random.key(0), batch)["params"])
+    params = jax.jit(lambda r: nn.meta.unbox(model.init_variables(r, batch)["params"]))(
+        jax.random.key(0))  # jitted: one compile, not op by op
     return model, batch, params
 
 
@@ -97,7 +98,7 @@ def test_device_gradients_equal_one_devices_and_sum_to_the_plain_gradient(name, 
     if name == "toy":  # [4, 6, 16]: split over `data` along the kernel's dimension 1
         assert got.stacked["Dense_0"]["kernel"].sharding.spec[2] == partitioning.DATA
     # The task gradients add up to the gradient of the summed loss (dropout included).
-    plain = jax.grad(lambda p: (loss_sums(p, batch)[0] / norm).sum())(params)
+    plain = jax.jit(jax.grad(lambda p: (loss_sums(p, batch)[0] / norm).sum()))(params)
     total = jax.tree.map(lambda g, u: np.asarray(u) if g is None else np.asarray(g).sum(0),
                          got.stacked, got.summed, is_leaf=lambda x: x is None)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
@@ -138,11 +139,17 @@ def test_every_balancer_updates_as_on_one_device():
     one = partitioning.create_mesh(1, devices=jax.devices()[:1])
     mesh = partitioning.create_mesh(2)
 
+    initial = {}  # balancer -> its initial state (host arrays), the same on every mesh
+
     def run(make, m, dims, method, path):
         rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
         tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=make(), mesh=m, rules=rules,
                                  weights_from_losses=False, grad_method=method)
-        state = tr.init_state(jax.random.key(0), _batch(dim=8))
+        if make not in initial:
+            initial[make] = jax.device_get(tr.init_state(jax.random.key(0), _batch(dim=8)))
+        else:  # initialized once per balancer, placed on this trainer's shardings
+            tr.create_abstract_state(_batch(dim=8))
+        state = jax.device_put(initial[make], tr.state_shardings)
         for step in range(3):
             state, _ = tr.train_step(state, _batch(dim=8, seed=step), jax.random.key(1),
                                      task_counts=COUNTS)
