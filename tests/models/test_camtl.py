@@ -52,8 +52,15 @@ def _reference(folder: pathlib.Path):
     return ref, batch, np.load(folder / "expected.npz")
 
 
-def _check_heads(model, params, ref, batch):
-    logits = model.logits(params, batch)
+def _init_params(model, batch, seed=0):
+    """`model`'s unboxed initial params for `batch`'s shapes, initialized by one jitted
+    program (rather than op by op)."""
+    return jax.jit(lambda r: nn.unbox(model.init_variables(r, batch)["params"]))(
+        jax.random.key(seed))
+
+
+def _check_heads(model, params, ref, batch, logits_fn=None):
+    logits = (logits_fn or model.logits)(params, batch)
     entropy = jax.jit(camtl.row_normalised_entropy)(logits, batch["task_id"])
     for t, name in enumerate(ref["config"]["tasks"]):
         rows = batch["task_id"] == t
@@ -106,7 +113,8 @@ def test_paper_layer_norm_with_zero_bias_generators_is_the_code_form():
     c = imported.config
     paper = camtl.CaMtlClassifierModel(
         c.bert, camtl=camtl.CaMtlConfig("base", 16, "paper"), num_labels=c.num_labels)
-    shapes = paper.init_variables(jax.random.key(0), paper.input_spec(1, {"inputs": 16}))
+    shapes = jax.eval_shape(paper.init_variables, jax.random.key(0),
+                            paper.input_spec(1, {"inputs": 16}))  # names and shapes only
     flat = convert.flatten(nn.unbox(shapes["params"]))
     extra = sorted(set(flat) - set(convert.flatten(imported.params)))
     assert extra and all("/bias_film/" in p for p in extra), extra
@@ -114,13 +122,14 @@ def test_paper_layer_norm_with_zero_bias_generators_is_the_code_form():
     params = convert.flatten(imported.params)
     params.update({p: np.zeros(flat[p].shape, np.float32) for p in extra})
     params = convert.unflatten(params)
-    _check_heads(paper, params, ref, batch)  # (1 + 0) * b + 0 = b
+    paper_logits = jax.jit(paper.logits)  # one program for the three forwards below
+    _check_heads(paper, params, ref, batch, paper_logits)  # (1 + 0) * b + 0 = b
     # A non-zero bias generator changes the output: the bias is conditioned on z.
     one = convert.flatten(params)
     one["conditioning/layers_2/output_layer_norm/bias_film/bias"] = np.full_like(
         one["conditioning/layers_2/output_layer_norm/bias_film/bias"], 0.5)
-    moved = paper.logits(convert.unflatten(one), batch)
-    assert np.abs(np.asarray(moved[0]) - np.asarray(paper.logits(params, batch)[0])).max() > 1e-3
+    moved = paper_logits(convert.unflatten(one), batch)
+    assert np.abs(np.asarray(moved[0]) - np.asarray(paper_logits(params, batch)[0])).max() > 1e-3
 
 
 def test_normalised_entropy_hand_computed():
@@ -160,6 +169,7 @@ def test_trainer_steps_train_and_frozen_half_stays(variant):
     assert model.frozen_patterns == ("embeddings/.*", "layers_(?:0|1)/.*")
     tr = trainer_lib.Trainer(model, optax.adam(1e-2))
     state = tr.init_state(jax.random.key(0), _batch())
+    initial = jax.device_get(state) if variant == "large" else None  # the step donates
     before = _flat(state.params)
     losses = []
     for _ in range(3):  # dropout 0.1 on: the per-row vmap path
@@ -174,7 +184,8 @@ def test_trainer_steps_train_and_frozen_half_stays(variant):
     assert "conditioning/layers_0/attention_bias/film/kernel" in moved
     if variant == "large":  # the same steps on a 2 (data) x 4 (model) mesh
         tr8 = trainer_lib.Trainer(model, optax.adam(1e-2), mesh=partitioning.create_mesh(4))
-        state8 = tr8.init_state(jax.random.key(0), _batch())
+        tr8.create_abstract_state(_batch())  # the same initial state, placed on the mesh
+        state8 = jax.device_put(initial, tr8.state_shardings)
         eight = []
         for _ in range(3):
             state8, metrics = tr8.train_step(state8, _batch(), jax.random.key(1))
@@ -208,11 +219,17 @@ def test_block_diagonal_bias_with_a_ragged_last_block():
         n = hidden // length
         c = -(-length // n)
         module = camtl.BlockDiagonalBias(length, c)
+
+        @jax.jit
+        def init_and_apply(z):  # one program per shape rather than op by op
+            variables = module.init(jax.random.key(1), z)
+            variables = jax.tree.map(lambda a: jax.random.normal(jax.random.key(2), a.shape),
+                                     nn.unbox(variables))
+            return variables, module.apply(variables, z)
+
         z = jax.random.normal(jax.random.key(0), (2, hidden))
-        variables = module.init(jax.random.key(1), z)
-        variables = jax.tree.map(lambda a: jax.random.normal(jax.random.key(2), a.shape),
-                                 nn.unbox(variables))
-        got = np.asarray(module.apply(variables, z))
+        variables, got = init_and_apply(z)
+        got = np.asarray(got)
         gb = z @ variables["params"]["film"]["kernel"] + variables["params"]["film"]["bias"]
         gamma, beta = np.split(np.asarray(gb), 2, axis=-1)
         a = (1 + gamma[:, None]) * np.asarray(variables["params"]["block_matrix"]) + beta[:, None]
@@ -239,7 +256,7 @@ def test_import_writes_a_loadable_checkpoint(tmp_path):
     finally:
         gin.clear_config(clear_constants=True)
     assert isinstance(model, camtl.CaMtlClassifierModel) and model.camtl.variant == "large"
-    init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), batch)["params"]))
+    init = jax.tree.map(np.asarray, _init_params(model, batch))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
     params, report = initial_params.load_initial_params(str(out), abstract, init)
     assert report.initialized == ()
@@ -334,7 +351,7 @@ def test_a_bert_checkpoint_fills_the_backbone():
         convert.read_hf_bert(folder).config, camtl=camtl.CaMtlConfig(max_seq_length=16),
         num_labels=(3, 1))
     spec = model.input_spec(2, {"inputs": 16})
-    init = jax.tree.map(np.asarray, nn.unbox(model.init_variables(jax.random.key(0), spec)["params"]))
+    init = jax.tree.map(np.asarray, _init_params(model, spec))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init)
     params, report = initial_params.load_initial_params(f"hf:{folder}", abstract, init)
     assert {p.split("/")[0] for p in report.initialized} == {"conditioning", "pooler", "task_heads"}
