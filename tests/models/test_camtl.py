@@ -184,8 +184,9 @@ def test_trainer_steps_train_and_frozen_half_stays(variant):
     assert "conditioning/layers_0/attention_bias/film/kernel" in moved
     if variant == "large":  # the same steps on a 2 (data) x 4 (model) mesh
         tr8 = trainer_lib.Trainer(model, optax.adam(1e-2), mesh=partitioning.create_mesh(4))
-        tr8.create_abstract_state(_batch())  # the same initial state, placed on the mesh
-        state8 = jax.device_put(initial, tr8.state_shardings)
+        state8 = tr8.init_state(jax.random.key(0), _batch())  # initialised on the mesh
+        for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(jax.device_get(state8))):
+            np.testing.assert_array_equal(a, b)  # the same initial state as unsharded
         eight = []
         for _ in range(3):
             state8, metrics = tr8.train_step(state8, _batch(), jax.random.key(1))
