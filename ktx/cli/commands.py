@@ -112,12 +112,6 @@ def _analyze_attention(args, bindings: Sequence[tuple[str, str]]) -> int:
     return 0
 
 
-def ktx_counts_example(tasks: int | None, batch_size: int) -> str:
-    """Equal row counts for `tasks` tasks in a batch, as a gin list (an error's example)."""
-    t = max(int(tasks or 1), 1)
-    return repr([batch_size // t + (1 if i < batch_size % t else 0) for i in range(t)])
-
-
 def _precompile_kwargs(topology: str) -> dict:
     """`precompile`'s keyword arguments from the parsed gin configuration (runs/train.gin's
     `train` bindings, BATCH_SIZE, TASK_FEATURE_LENGTHS); GinConfigError naming what is missing."""
@@ -153,14 +147,13 @@ def _precompile_kwargs(topology: str) -> dict:
                                  f"({type(kwargs['model']).__name__}: {e})") from None
     counts = _query_macro("PRECOMPILE_TASK_COUNTS")
     if not unbound(counts):  # the balanced step's rows per task (default: equal counts)
-        tasks = getattr(kwargs["model"], "num_tasks", None)
-        if (not isinstance(counts, (list, tuple)) or len(counts) != tasks
-                or not all(isinstance(c, int) and c >= 0 for c in counts)
-                or sum(counts) != int(batch_size)):
-            raise GinConfigError(
-                f"PRECOMPILE_TASK_COUNTS={counts!r}; accepted: {tasks} row counts (one per task, "
-                f"ints >= 0) summing to BATCH_SIZE={batch_size}, e.g. {ktx_counts_example(tasks, int(batch_size))}")
-        kwargs["task_counts"] = tuple(counts)
+        from ktx.training.precompile import check_task_counts
+
+        try:
+            kwargs["task_counts"] = check_task_counts(
+                counts, getattr(kwargs["model"], "num_tasks", 1), int(batch_size))
+        except ValueError as e:
+            raise GinConfigError(str(e)) from None
     return dict(topology=topology, batch_size=int(batch_size),
                 task_feature_lengths=None if unbound(lengths) else dict(lengths), **kwargs)
 

@@ -54,12 +54,8 @@ def _print_slots_advice(trainer: Trainer, train_input: Any, steps: int = 64) -> 
     the input's first `steps` steps."""
     from ktx.optim.device_slots import slots_advice
 
-    options = trainer.options
-    shortcut = (trainer.optimizer.weights_from_losses and options.weights_from_losses
-                and options.num_microbatches == 1)
     counts = getattr(train_input, "task_counts", lambda step: None)
-    if (not trainer.optimizer.balanced or shortcut or not trainer.task_gradients_by_device
-            or counts(0) is None):
+    if not trainer.task_gradients_by_device or counts(0) is None:
         return
     advice = slots_advice([counts(s) for s in range(steps)],
                           int(trainer.mesh.shape[partitioning.DATA]))

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from ktx import partitioning
@@ -226,6 +227,28 @@ def _accelerator_type(topology: str) -> str:
     return f"{chip.lower().replace('v5e', 'v5litepod')}-{chips * per_chip}"
 
 
+def equal_task_counts(num_tasks: int, batch_size: int) -> tuple[int, ...]:
+    """`batch_size` rows shared equally by `num_tasks` tasks (the first ones one more)."""
+    t = num_tasks
+    return tuple(batch_size // t + (1 if i < batch_size % t else 0) for i in range(t))
+
+
+def check_task_counts(task_counts: Any, num_tasks: int, batch_size: int) -> tuple[int, ...]:
+    """The rows per task a balanced step is compiled for: `task_counts` (gin
+    `PRECOMPILE_TASK_COUNTS`) checked, or equal counts when None; ValueError naming the
+    macro and what it accepts."""
+    if task_counts is None:
+        return equal_task_counts(num_tasks, batch_size)
+    if (not isinstance(task_counts, (list, tuple)) or len(task_counts) != num_tasks
+            or not all(isinstance(c, (int, np.integer)) and c >= 0 for c in task_counts)
+            or sum(task_counts) != batch_size):
+        raise ValueError(
+            f"PRECOMPILE_TASK_COUNTS={task_counts!r}; accepted: {num_tasks} row counts (one per "
+            f"task, ints >= 0) summing to BATCH_SIZE={batch_size}, e.g. "
+            f"{list(equal_task_counts(num_tasks, batch_size))}")
+    return tuple(int(c) for c in task_counts)
+
+
 def precompile(
     model: BaseModel,
     optimizer: optax.GradientTransformation,
@@ -269,24 +292,21 @@ def precompile(
                                sharding=partitioning.replicated_sharding(mesh))
     counts = None
     if balancer is not None and num_microbatches == 1:
-        t = model.num_tasks
-        counts = tuple(batch_size // t + (1 if i < batch_size % t else 0) for i in range(t))
-        if task_counts is not None:
-            counts = tuple(int(c) for c in task_counts)
-            if len(counts) != t or sum(counts) != batch_size or min(counts) < 0:
-                raise ValueError(
-                    f"PRECOMPILE_TASK_COUNTS={tuple(task_counts)}; accepted: {t} row counts "
-                    f"(one per task), each >= 0, summing to the batch size {batch_size}")
+        counts = check_task_counts(task_counts, model.num_tasks, batch_size)
     start = time.perf_counter()
     lowered = trainer.lower_train_step(abstract_state, batch, rng, task_counts=counts)
     layout = None
     if counts is not None:
         capacity = trainer._capacity_for(counts)  # what the lowered step was built for
-        layout = (f"task counts {counts}: " + (
-            "loss-weighted shortcut (no per-task gradients)" if capacity is None else
-            ("device by device, one task on each device" if capacity[1] == 1 else
-             f"device by device, up to {capacity[1]} tasks on a device")
-            if capacity[0] == "devices" else f"task blocks of {tuple(capacity)} rows"))
+        if capacity is None:
+            how = "loss-weighted shortcut (no per-task gradients)"
+        elif capacity[0] != "devices":
+            how = f"task blocks of {tuple(capacity)} rows"
+        elif capacity[1] == 1:
+            how = "device by device, one task on each device"
+        else:
+            how = f"device by device, up to {capacity[1]} tasks on a device"
+        layout = f"task counts {counts}: {how}"
     if on_compile is not None:
         on_compile(dict(mesh.shape))
     try:

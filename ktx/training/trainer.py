@@ -317,9 +317,11 @@ class Trainer:
 
     @property
     def task_gradients_by_device(self) -> bool:
-        """Whether balanced steps may take per-task gradients device by device (else in
-        task blocks padded to the `data` axis); see `_devices_method`."""
-        return self._devices_method()
+        """Whether this Trainer's balanced steps take per-task gradients and may take them
+        device by device (`_devices_method`): False for a plain step and for the
+        loss-weighted shortcut (`_weights_from_losses`)."""
+        return (self.optimizer.balanced and self._devices_method()
+                and not _weights_from_losses(self.optimizer, self.options))
 
     def _devices_method(self) -> bool:
         """Whether balanced steps take per-task gradients device by device
