@@ -267,6 +267,7 @@ class _LayerStack:
             num_layers=n, scan=cfg.scan_layers, remat=cfg.remat_policy,
             static_argnums=self._STATIC_ARGNUMS, x=x, args=args,
             layer_inputs=self.layer_inputs(task_id) if cfg.scan_layers else None,
+            scope_path=self.scope.path,
         )
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from ktx.param_gather import gather_layer_params, stack_hook
 from ktx.partitioning import LAYERS
 
 __all__ = ["REMAT_POLICIES", "check_remat_policy", "layer_class", "recompute_elementwise",
@@ -100,18 +101,23 @@ def run_stack(
     x: jax.Array,
     args: Sequence[Any],
     layer_inputs: Any = None,
+    scope_path: tuple | None = None,
 ) -> jax.Array:
     """Runs `num_layers` layers on `x`: `layer(x, *args[, layer_inputs])`.
 
     Unrolled: `make_layer(i)` builds layer `i` (already rematerialised). Scanned: one
     `nn.scan` of `cls` (built with `fields`, plus `scanned=True`, scope `layers`) over
     `layer_inputs` (leaves `[L, ...]`), every one of `args` broadcast to every layer.
-    Must be called inside the parent module's compact `__call__`.
+    Must be called inside the parent module's compact `__call__`, whose `scope.path` is
+    `scope_path`: inside a device-by-device region with parameters split over `data`
+    (`ktx.param_gather`), the scanned body gathers one layer's parameters at a time.
     """
     if not scan:
         for i in range(num_layers):
             x = make_layer(i)(x, *args)
         return x
+    if stack_hook(scope_path):
+        cls = gather_layer_params(cls)  # inside remat: the backward pass gathers again
     body = layer_class(cls, remat, static_argnums, scanned=True)
     stack = nn.scan(
         body,

@@ -118,6 +118,7 @@ def per_device_task_gradients(
     num_tasks: int,
     slots: int,
     scatter_dims: Sequence[int | None] | None = None,
+    split: Sequence[bool] | None = None,
 ) -> tuple[jax.Array, Any, Any]:
     """`(sums [T], aux, grads)`: the batch's per-task loss sums and aux sums, and the
     params-structured per-task gradients `[T, *shape]` (split over `data` along
@@ -126,7 +127,13 @@ def per_device_task_gradients(
 
     `slots` must be at least the number of distinct tasks among any device's rows
     (`device_slots`); a device's tasks beyond it would be dropped, so callers that do not
-    know the layout check it (`check_slots`)."""
+    know the layout check it (`check_slots`).
+
+    `split[i]`: leaf i is split over `data` along `scatter_dims[i]` (its sharding, with
+    `parameter_partitioning_dims=2`): it enters the region as each device's shard and is
+    gathered where it is used, a scanned stack's layer at a time (`ktx.param_gather`),
+    its per-task gradient shards made in the gather's backward pass. Needs `slots == 1`
+    (one task's rows on each device: `ktx.data.mixing.Mixing.block_rows`)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or DATA not in mesh.axis_names:
         raise ValueError("method='devices' needs a mesh with a 'data' axis (jax.set_mesh)")
@@ -147,6 +154,19 @@ def per_device_task_gradients(
         raise ValueError(f"method='devices': the batch's {rows} rows must split evenly over "
                          f"data={ways} devices")
     rules = _rules_without_data()
+    split = [False] * len(leaves) if split is None else list(split)
+    if len(split) != len(leaves):
+        raise ValueError(f"split has {len(split)} entries for {len(leaves)} parameters")
+    if any(s and k is None for s, k in zip(split, scatter_dims)):
+        raise ValueError("split: a parameter split over data needs its scatter dimension")
+    if any(split):
+        if slots != 1:
+            raise ValueError(
+                f"method='devices' with parameters split over data needs one task's rows on "
+                f"each device (slots=1, got {slots}): rows in blocks of batch / data "
+                f"(--gin.mixing.Mixing.block_rows), or parameter_partitioning_dims=1")
+        return _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks,
+                                     scatter_dims, split, rules)
 
     def local(p, b, norm):
         with nn.logical_axis_rules(rules):
@@ -178,6 +198,85 @@ def per_device_task_gradients(
         local,
         mesh=mesh,
         in_specs=(PartitionSpec(), PartitionSpec(DATA), PartitionSpec()),
+        out_specs=(PartitionSpec(), PartitionSpec(), grad_specs),
+        axis_names={DATA},
+        check_vma=False,
+    )
+    return fn(params, dict(batch), normalizer)
+
+
+def _spec(k: int | None, ndim: int, lead: int = 0) -> PartitionSpec:
+    """`data` on dimension `k` of a `lead`-prefixed array (None: replicated)."""
+    if k is None:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * (k + lead)), DATA, *([None] * (ndim - k - 1)))
+
+
+def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, scatter_dims,
+                          split, rules):
+    """`per_device_task_gradients` with some parameters split over `data` (`split`), one
+    task on each device: one forward and one backward pass per device, whose split
+    parameters are gathered where used (`ktx.param_gather`)."""
+    from ktx import param_gather
+    from ktx.treepath import name as path_str
+
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [x for _, x in leaves_with_paths]
+    paths = [path_str(p) for p, _ in leaves_with_paths]
+    # Which scanned stacks gather their layers (one trace of the model, nothing computed).
+    with param_gather.recording() as stacks:
+        jax.eval_shape(loss_sums_fn, params, batch)
+    prefixes = ["/".join(map(str, s)) + "/" for s in stacks]
+    stacked = [any(p.startswith(pre) for pre in prefixes) for p in paths]
+
+    def local(p, b, norm):
+        p_leaves = jax.tree.leaves(p)
+        tid = b["task_id"]
+        present = jnp.bincount(tid, length=num_tasks) > 0
+        (task,) = jnp.nonzero(present, size=1, fill_value=num_tasks)
+        tasks = jax.lax.all_gather(task, DATA, tiled=True)  # [data]
+        whole = [x for x, s in zip(p_leaves, split) if not s]
+        accs = [param_gather.split_param(x, k, num_tasks, int(st)).acc
+                for x, k, s, st in zip(p_leaves, scatter_dims, split, stacked) if s]
+
+        def loss(whole, accs):
+            it_w, it_a, out = iter(whole), iter(accs), []
+            for x, k, s, st in zip(p_leaves, scatter_dims, split, stacked):
+                if not s:
+                    out.append(next(it_w))
+                    continue
+                node = param_gather.SplitParam(x, next(it_a), k - x.ndim)
+                out.append(node if st else param_gather.gather(node))
+            return loss_sums_fn(treedef.unflatten(out), b)
+
+        with nn.logical_axis_rules(rules), param_gather.gathering(tasks, num_tasks):
+            sums, vjp_fn, aux = jax.vjp(loss, whole, accs, has_aux=True)
+            cot = jax.nn.one_hot(task[0], num_tasks, dtype=sums.dtype) / norm.astype(sums.dtype)
+            g_whole, g_accs = vjp_fn(cot)
+        it_w, it_a, out = iter(g_whole), iter(g_accs), []
+        for k, s, st in zip(scatter_dims, split, stacked):
+            if s:
+                g = next(it_a)  # [T, *shard], or [L, T, *shard] for a scanned stack's
+                out.append(jnp.moveaxis(g, 1, 0) if st else g)
+                continue
+            g = next(it_w)[None]
+            if k is None:
+                g = jax.lax.all_gather(g, DATA, tiled=True)
+            else:
+                g = jax.lax.all_to_all(g, DATA, split_axis=k + 1, concat_axis=0, tiled=True)
+            out.append(jax.ops.segment_sum(g, tasks, num_segments=num_tasks))
+        sums = jax.lax.psum(sums, DATA)
+        aux = jax.tree.map(lambda a: jax.lax.psum(a, DATA), aux)
+        return sums, aux, treedef.unflatten(out)
+
+    param_specs = treedef.unflatten([_spec(k, x.ndim) if s else PartitionSpec()
+                                     for x, k, s in zip(leaves, scatter_dims, split)])
+    grad_specs = treedef.unflatten([_spec(k, x.ndim, lead=1)
+                                    for x, k in zip(leaves, scatter_dims)])
+    fn = jax.shard_map(
+        local,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(param_specs, PartitionSpec(DATA), PartitionSpec()),
         out_specs=(PartitionSpec(), PartitionSpec(), grad_specs),
         axis_names={DATA},
         check_vma=False,

@@ -397,6 +397,7 @@ def compute_task_gradients(
     check_layout: bool = True,
     slots: int | None = None,
     scatter_dims: Sequence[int | None] | None = None,
+    split: Sequence[bool] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], TaskGradients]:
     """Per-task losses and gradients (call inside `jax.jit`).
 
@@ -421,6 +422,9 @@ def compute_task_gradients(
       scatter_dims: `method="devices"`: per parameter leaf, the dimension its per-task
         gradients are split over `data` along (None: kept whole); default: the largest
         dimension divisible by the `data` axis.
+      split: `method="devices"`, `slots=1`: per parameter leaf, whether it is split over
+        `data` along its scatter dimension; such parameters enter the per-device region
+        as shards and are gathered where used (`ktx.param_gather`). None: all whole.
       shared: which parameters keep a task axis (see `ktx.optim.selection.shared_mask`).
       sparse_tables: regexes selecting `nn.Embed` tables (e.g. `r"_embedding/embedding$"`)
         whose per-task gradients are kept as `SparseRows` (see `ktx.optim.sparse`);
@@ -453,7 +457,7 @@ def compute_task_gradients(
             _check_slots(batch["task_id"], slots)
         sums, aux, grads = per_device_task_gradients(
             loss_sums_fn, normalizer, params, batch, num_tasks=num_tasks, slots=slots,
-            scatter_dims=scatter_dims)
+            scatter_dims=scatter_dims, split=split)
         return sums / normalizer, aux, split_shared(grads, params, shared)
     if method == "blocks":
         if task_counts is None and task_capacity is None:

@@ -100,6 +100,10 @@ class StepOptions:
         gradients are split over `data` along (None: whole); the `Trainer` takes the
         dimension the parameter is split over `data` along, else the largest one the
         axis divides that is not split over `model`.
+      split_params: with `device_slots == 1`: per parameter leaf, whether the parameter
+        is split over `data` along its scatter dimension (`parameter_partitioning_dims=2`):
+        it enters the per-device region as a shard and is gathered where used, a scanned
+        stack's layer at a time (`ktx.param_gather`). None: every parameter enters whole.
       check_layout: balanced path: check in the step that the rows are grouped by task as
         the blocks promise (False when the host already checked, `Trainer.global_batch`).
       regroup_by_task: the global batch is process-grouped (`[p0: t0 t1 ..][p1: t0 t1 ..]
@@ -141,6 +145,7 @@ class StepOptions:
     task_capacity: tuple[int, ...] | None = None
     device_slots: int | None = None
     scatter_dims: tuple[int | None, ...] | None = None
+    split_params: tuple[bool, ...] | None = None
     check_layout: bool = True
     regroup_by_task: bool = False
     diagnostics_period: int = 1
@@ -372,7 +377,8 @@ def train_step(
                     return optim.compute_task_gradients(
                         loss_sums, normalizer, params, mb, num_tasks=num_tasks,
                         shared=options.shared, method="devices", slots=options.device_slots,
-                        scatter_dims=options.scatter_dims, check_layout=options.check_layout)
+                        scatter_dims=options.scatter_dims, split=options.split_params,
+                        check_layout=options.check_layout)
                 return optim.compute_task_gradients(
                     loss_sums, normalizer, params, mb,
                     num_tasks=num_tasks, shared=options.shared,

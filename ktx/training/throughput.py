@@ -5,13 +5,12 @@
   `input_ids`), all positions (`tokens`) and those that are not padding (id 0,
   `nonpad_tokens`). Features absent from a batch count nothing (the recommendation
   model has no tokens: no token rates are reported).
-* FLOPs are XLA's cost analysis of the compiled train step (`compiled.cost_analysis()`,
-  `Trainer.last_step_flops`): the FLOPs one device runs per step, after partitioning.
-  A `lax.scan` over K steps (`steps_per_call`) is counted once per loop body by XLA,
-  i.e. one step's FLOPs (`tests/test_throughput.py` checks both against a hand count).
-  So is every other loop: a scanned layer stack (`SCAN_LAYERS=True`) counts one layer
-  and microbatches one microbatch, and the rates understate the model's by up to that
-  factor (docs/training.md).
+* FLOPs are those of the compiled train step per device, after partitioning
+  (`Trainer.last_step_flops`): the larger of XLA's cost analysis, which counts a loop's
+  body once, and the matmuls of the optimized program with every loop counted by its trip
+  count (`ktx.training.hlo_cost.step_flops`): a scanned layer stack counts every layer,
+  microbatches every microbatch; a `lax.scan` over K steps (`steps_per_call`) is divided
+  by K (`tests/test_throughput.py` checks both against a hand count).
 * MFU is the model TFLOP/s per device over the device's peak (`device_peak`): the
   published dense bf16 peak of TPUs (`ktx.training.precompile.CHIPS`) and of GPUs
   (`GPU_PEAK_TFLOPS`), or a peak the user measured (`peak_tflops`); on a CPU there is

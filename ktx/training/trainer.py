@@ -91,15 +91,20 @@ def _zeros_batch(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     return {k: jnp.zeros(v.shape, v.dtype) for k, v in batch.items()}
 
 
-def _flops_per_step(jitted: Any, state: Any, batch: Any, rng: Any) -> float | None:
-    """XLA's cost analysis of the executable `jitted` just ran for these arguments (JAX
-    caches it: no compile here): the FLOPs one device runs per step (a scan of K steps
-    is counted once per loop body: one step). None when XLA gives no count."""
-    cost = jitted.lower(state, batch, rng).compile().cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-        cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops is not None and flops >= 0 else None
+def _flops_per_step(jitted: Any, state: Any, batch: Any, rng: Any,
+                    steps: int | None = None) -> float | None:
+    """The FLOPs one device runs per step of the executable `jitted` just ran for these
+    arguments (JAX caches it: no compile here): the larger of XLA's cost analysis (loop
+    bodies once: one step of a `steps`-step scan) and the matmuls with loops counted by
+    their trip counts (`ktx.training.hlo_cost.step_flops`; divided by `steps`). None when
+    neither is available."""
+    from ktx.training.hlo_cost import step_flops
+
+    _, xla, matmuls = step_flops(jitted.lower(state, batch, rng).compile())
+    if matmuls is not None and steps:
+        matmuls /= steps
+    known = [f for f in (xla, matmuls) if f]
+    return max(known) if known else None
 
 
 class Trainer:
@@ -327,28 +332,33 @@ class Trainer:
         """Whether balanced steps take per-task gradients device by device
         (`ktx.optim.device_slots`): on a mesh whose `data` axis has several devices, with
         task blocks usable (one microbatch, no uncertainty sampling), for
-        `grad_method="devices"`, and for "auto" unless parameters are split over `data`.
-        One device keeps the task blocks, which are exact there."""
+        `grad_method` "devices" and "auto" (which may still take the blocks:
+        `_capacity_for`). One device keeps the task blocks, which are exact there."""
         data = int(self.mesh.shape[partitioning.DATA])
         if data == 1 or not _task_blocks(self.options):
             return False
-        if self.options.grad_method == "devices":
-            return True
-        return self.options.grad_method == "auto" and not self._params_split_over_data()
+        return self.options.grad_method in ("devices", "auto")
 
     def _params_split_over_data(self) -> bool:
         """Whether some parameter is split over `data` (`parameter_partitioning_dims=2`).
-        The per-device path then takes the parameters whole over `data` into its manual
-        region, where the plain step works on `1 / data` shards: XL at 16 x 16 took 1.89x
-        the plain step's FLOPs and 5.1x its memory that way, against 1.18x and 1.46x with
+        With one task on each device such parameters enter the per-device region as
+        shards, gathered layer by layer (`split_params`); with several, they enter whole,
+        where the plain step works on `1 / data` shards: XL at 16 x 16 took 1.89x the
+        plain step's FLOPs and 5.1x its memory that way, against 1.18x and 1.46x with
         task blocks (docs/scale.md), so "auto" keeps the blocks there."""
+        return any(self._split_params())
+
+    def _split_params(self) -> tuple[bool, ...]:
+        """Per parameter leaf, whether it is split over `data` along its scatter dimension
+        (`_scatter_dims`)."""
         if self.state_shardings is None:
-            return False
-        for sh in jax.tree.leaves(self.state_shardings.params):
-            for entry in sh.spec:
-                if partitioning.DATA in (entry if isinstance(entry, tuple) else (entry,)):
-                    return True
-        return False
+            return ()
+        out = []
+        for sh, k in zip(jax.tree.leaves(self.state_shardings.params), self._scatter_dims()):
+            spec = tuple(sh.spec)
+            entry = spec[k] if k is not None and k < len(spec) else None
+            out.append(partitioning.DATA in (entry if isinstance(entry, tuple) else (entry,)))
+        return tuple(out)
 
     def _scatter_dims(self) -> tuple[int | None, ...]:
         """Per parameter leaf, the dimension its per-task gradients are split over `data`
@@ -414,6 +424,9 @@ class Trainer:
             # tasks on 8 devices: 528 rows against 2 backward passes).
             by_devices = (1 + 2 * self._slots) / 3
             by_blocks = sum(self._capacity) / rows
+            if self.options.grad_method == "auto" and self._slots > 1 \
+                    and self._params_split_over_data():
+                by_devices = float("inf")  # parameters would enter the region whole
             if self.options.grad_method == "devices" or by_devices <= by_blocks:
                 if log is False and _weights_from_losses(self.optimizer, self.options):
                     return None
@@ -456,7 +469,8 @@ class Trainer:
             fn = self._compiled_step(*key)
             new_state, metrics = fn(state, global_batch, rng)
             if key not in self._step_flops:
-                self._step_flops[key] = _flops_per_step(fn, new_state, global_batch, rng)
+                self._step_flops[key] = _flops_per_step(fn, new_state, global_batch, rng,
+                                                        steps)
         self.last_step_flops = self._step_flops[key]
         if step is not None:
             self._step_mirror = (new_state.step, step + (steps or 1))
@@ -466,8 +480,10 @@ class Trainer:
         key = (task_capacity, stacked, log)
         if key not in self._compiled:
             if task_capacity is not None and task_capacity[0] == "devices":
+                split = self._split_params() if task_capacity[1] == 1 else ()
                 fields = dict(task_capacity=None, device_slots=task_capacity[1],
-                              scatter_dims=self._scatter_dims())
+                              scatter_dims=self._scatter_dims(),
+                              split_params=split if any(split) else None)
             else:
                 fields = dict(task_capacity=task_capacity)
             options = dataclasses.replace(self.options, **fields, check_layout=False,

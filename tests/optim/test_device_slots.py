@@ -167,3 +167,114 @@ def test_every_balancer_updates_as_on_one_device():
                                    (1, "auto", "blocks")]:
             jax.tree.map(lambda a, b: close(a, b, f"{name}, dims {dims}, {method}"),
                          run(make, mesh, dims, method, path), expected)
+
+
+ONE_TASK_EACH = (4, 4, 0, 8)  # 16 rows on a 4-way data axis: one task's rows on each device
+
+
+def _split_dims(params, mesh):
+    """`(scatter_dims, split)` of `params` placed on `mesh` (as `Trainer._scatter_dims`)."""
+    data = mesh.shape[partitioning.DATA]
+    dims, split = [], []
+    for x in jax.tree.leaves(params):
+        spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+        on = [k for k, e in enumerate(spec) if e == partitioning.DATA]
+        model = [k for k, e in enumerate(spec) if e == partitioning.MODEL]
+        split.append(bool(on))
+        dims.append(on[0] if on else default_scatter_dim(x.shape, data, avoid=model))
+    return dims, split
+
+
+def test_parameters_split_over_data_are_gathered_layer_by_layer():
+    """2-D parameter partitioning, one task on each device: the scanned T5's parameters
+    enter the per-device region as shards, each layer's gathered inside the scan's body;
+    the per-task gradients equal the one-hot VJP path's under dropout and stay split over
+    `data` as the parameters are."""
+    from ktx.models import seq2seq, t5
+    from ktx.models.base import with_row_ids
+    from ktx.optim.device_slots import per_device_task_gradients
+
+    model = seq2seq.EncoderDecoderModel(
+        config=t5.T5Config(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=32,
+                           num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.1,
+                           scan_layers=True, remat_policy="minimal"),
+        num_tasks=4)
+    rng = np.random.default_rng(0)
+    n = sum(ONE_TASK_EACH)
+    batch = with_row_ids({
+        "encoder_input_tokens": rng.integers(2, 64, (n, 7)).astype(np.int32),
+        "decoder_input_tokens": rng.integers(2, 64, (n, 5)).astype(np.int32),
+        "decoder_target_tokens": rng.integers(2, 64, (n, 5)).astype(np.int32),
+        "decoder_loss_weights": np.ones((n, 5), np.float32),
+        "task_id": np.repeat(np.arange(4), ONE_TASK_EACH).astype(np.int32),
+    })
+    boxed = jax.jit(lambda r: model.init_variables(r, batch)["params"])(jax.random.key(0))
+    params = nn.meta.unbox(boxed)
+    norm = model.normalizer(batch)
+
+    def loss_sums(p, b):
+        return model.loss_sums(p, b, jax.random.key(3), True)
+
+    ref_losses, _, ref = jax.jit(lambda p, b: optim.compute_task_gradients(
+        loss_sums, norm, p, b, num_tasks=4, method="vjp"))(params, batch)
+    mesh = partitioning.create_mesh(2)  # 4 x 2
+    rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        placed = jax.device_put(params, partitioning.logical_to_shardings(
+            nn.get_partition_spec(boxed), mesh, rules))
+        dims, split = _split_dims(placed, mesh)
+        assert sum(split) > len(split) // 2  # the kernels and embeddings
+        fn = jax.jit(lambda p, b: per_device_task_gradients(
+            loss_sums, norm, p, b, num_tasks=4, slots=1, scatter_dims=dims, split=split))
+        sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(partitioning.DATA)))
+        sums, _, got = fn(placed, sharded)
+        hlo = fn.lower(placed, sharded).compile().as_text()
+    np.testing.assert_allclose(sums / norm, ref_losses, rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                            jax.tree.leaves(ref.stacked)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7,
+                                   err_msg=jax.tree_util.keystr(path))
+    kernel = got["encoder"]["layers"]["attention"]["query"]["kernel"]  # [T, L, E, H, D]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    k = dims[paths.index("['encoder']['layers']['attention']['query']['kernel']")]
+    assert kernel.sharding.spec[k + 1] == partitioning.DATA
+    # The encoder's and decoder's layers are gathered inside their scans' bodies.
+    gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
+    assert any("encoder/while/body" in line for line in gathers)
+    assert any("decoder/while/body" in line for line in gathers)
+
+
+def test_split_parameters_through_the_trainer_update_as_on_one_device():
+    """2-D parameter partitioning with one task on each device: "auto" takes per-task
+    gradients device by device with split parameters, and MetaBalance, PCGrad and MGDA
+    update as on one device; with two tasks on a device it keeps the task blocks."""
+    model = ToyModel(num_tasks=4, dim=8, hidden=16)
+    one = partitioning.create_mesh(1, devices=jax.devices()[:1])
+    mesh = partitioning.create_mesh(2)
+    batches = [_batch(ONE_TASK_EACH, dim=8, seed=step) for step in range(3)]
+
+    def run(make, m, dims):
+        rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
+        tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=make(), mesh=m, rules=rules,
+                                 weights_from_losses=False)
+        state = tr.init_state(jax.random.key(0), batches[0])
+        for b in batches:
+            state, _ = tr.train_step(state, b, jax.random.key(1), task_counts=ONE_TASK_EACH)
+        return tr, jax.device_get(state.params)
+
+    for name in ("metabalance", "pcgrad", "mgda"):
+        _, expected = run(BALANCERS[name], one, 1)
+        tr, got = run(BALANCERS[name], mesh, 2)
+        assert [k[0] for k in tr._compiled] == [("devices", 1)], list(tr._compiled)
+        (step,) = tr._compiled.values()
+        split = step.__wrapped__.keywords["options"].split_params  # the compiled options
+        assert split is not None and any(split) and tr._params_split_over_data()
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(
+            a, b, rtol=0, atol=1e-6 * np.abs(b).max(), err_msg=name), got, expected)
+    # Two tasks on a device (COUNTS): "auto" keeps the blocks for split parameters.
+    rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
+    tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=BALANCERS["pcgrad"](), mesh=mesh,
+                             rules=rules, weights_from_losses=False)
+    state = tr.init_state(jax.random.key(0), _batch(dim=8))
+    tr.train_step(state, _batch(dim=8), jax.random.key(1), task_counts=COUNTS)
+    assert [k[0][0] for k in tr._compiled] != ["devices"]

@@ -1,0 +1,153 @@
+"""Parameters split over `data` inside a manual `data` region, gathered layer by layer.
+
+The device-by-device per-task gradients (`ktx.optim.device_slots`) run the model inside a
+`jax.shard_map` that is manual over the mesh's `data` axis. With parameters split over
+`data` (`parameter_partitioning_dims=2`) a parameter entering that region whole would be
+all-gathered in full on every device before the forward pass, which is what the plain
+step with 1-D partitioning costs. Instead, a parameter enters as this device's shard, as a
+`SplitParam`, and is all-gathered where it is used:
+
+* a scanned layer stack gathers one layer's parameters at a time inside the scan's body
+  (`gather_layer_params`, installed by `ktx.models.t5_stack.run_stack`), so a device
+  holds one layer whole, as XLA's partitioner does for the plain step; under
+  rematerialisation the backward pass gathers the layer again;
+* any other split parameter is gathered once where the region starts.
+
+The gather's backward pass is where the per-task gradients are made: its cotangent is the
+device's gradient of the gathered parameter, all of it of one task (the device's rows
+belong to one task: `slots == 1`). An `all_to_all` over `data` along the split dimension
+gives each device its shard of every device's gradient, `[data, *shard]`, and a segment
+sum by the devices' tasks gives `[T, *shard]`: each task's gradient shard, laid out like
+the parameter shard. This cotangent is returned for the `SplitParam`'s accumulator (zeros
+of that shape, never read), so the vector-Jacobian product of the loss with respect to
+the accumulators is the per-task gradients, split over `data` as the parameters are.
+Per layer it moves what the plain step's gradient reduce-scatter moves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ktx.partitioning import DATA
+
+__all__ = ["SplitParam", "gather", "gather_layer_params", "gathering", "recording",
+           "split_param", "stack_hook"]
+
+
+@jax.tree_util.register_pytree_node_class
+class SplitParam:
+    """A parameter split over `data` inside the manual region.
+
+    `shard`: this device's slice, split along dimension `dim` (counted from the end, so a
+    scan that slices leading layer axes keeps it right); `acc`: zeros shaped like the
+    shard with the task axis `T` inserted `ndim_from_end` dimensions from the end (before
+    the parameter's own dimensions: `[L, T, ...]` for a scanned stack's parameter), whose
+    cotangent is the per-task gradient shards."""
+
+    def __init__(self, shard: Any, acc: Any, dim: int):
+        self.shard, self.acc, self.dim = shard, acc, dim
+
+    def tree_flatten(self):
+        return (self.shard, self.acc), (self.dim,)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gather(shard: jax.Array, acc: jax.Array, tasks: jax.Array, axis: int,
+            num_tasks: int) -> jax.Array:
+    del acc, tasks, num_tasks
+    return jax.lax.all_gather(shard, DATA, axis=axis, tiled=True)
+
+
+def _gather_fwd(shard, acc, tasks, axis, num_tasks):
+    return _gather(shard, acc, tasks, axis, num_tasks), tasks
+
+
+def _gather_bwd(axis, num_tasks, tasks, ct):
+    # ct: this device's gradient of the whole parameter (its rows' task); its shard of
+    # every device's gradient, then summed by the devices' tasks.
+    pieces = jax.lax.all_to_all(ct[None], DATA, split_axis=axis + 1, concat_axis=0, tiled=True)
+    per_task = jax.ops.segment_sum(pieces, tasks, num_segments=num_tasks)
+    return None, per_task, None
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+class _Region:
+    def __init__(self, tasks: Any, num_tasks: int, record: list | None):
+        self.tasks, self.num_tasks, self.record = tasks, num_tasks, record
+
+
+_REGIONS: list[_Region] = []
+
+
+@contextlib.contextmanager
+def gathering(tasks: jax.Array, num_tasks: int) -> Iterator[None]:
+    """Inside a manual `data` region: `SplitParam`s are gathered by `gather`, whose backward
+    pass sums the devices' gradients by `tasks` (`[data]`, the task of each device's rows)."""
+    _REGIONS.append(_Region(tasks, num_tasks, None))
+    try:
+        yield
+    finally:
+        _REGIONS.pop()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Trace a model under this to learn which scanned stacks gather their layers: the
+    yielded list receives each stack's parameter path prefix (`(..., "layers")`)."""
+    paths: list = []
+    _REGIONS.append(_Region(None, 0, paths))
+    try:
+        yield paths
+    finally:
+        _REGIONS.pop()
+
+
+def gather(x: Any) -> Any:
+    """The whole parameter of a `SplitParam` (anything else as it is)."""
+    if not isinstance(x, SplitParam):
+        return x
+    region = _REGIONS[-1]
+    axis = x.shard.ndim + x.dim
+    return _gather(x.shard, x.acc, region.tasks, axis, region.num_tasks)
+
+
+def _gather_tree(variables: Any) -> Any:
+    return jax.tree.map(gather, variables, is_leaf=lambda v: isinstance(v, SplitParam))
+
+
+def gather_layer_params(cls: type) -> type:
+    """`cls` reading its `params` through `gather` (a scanned stack's body, before remat)."""
+    return nn.map_variables(cls, "params", trans_in_fn=_gather_tree, init=False)
+
+
+def stack_hook(scope_path: tuple | None) -> bool:
+    """Whether a scanned stack whose parent module is at `scope_path` gathers its layers'
+    parameters (`gather_layer_params`): inside a `gathering` region. Under `recording` it
+    records `(*scope_path, "layers")` and answers False."""
+    if not _REGIONS or scope_path is None:
+        return False
+    region = _REGIONS[-1]
+    if region.record is not None:
+        region.record.append(tuple(scope_path) + ("layers",))
+        return False
+    return True
+
+
+def split_param(shard: jax.Array, dim: int, num_tasks: int, lead: int) -> SplitParam:
+    """A `SplitParam` of `shard` (split along its dimension `dim`) whose first `lead`
+    dimensions are stacked layers: the accumulator is `[*lead dims, T, *rest]`."""
+    acc = jnp.zeros(shard.shape[:lead] + (num_tasks,) + shard.shape[lead:], shard.dtype)
+    return SplitParam(shard, acc, dim - shard.ndim)
