@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import flax.linen
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,21 @@ def test_nested_loops_multiply_and_a_conditional_counts_its_larger_branch():
         return jax.lax.cond(p, lambda y: y @ ws[0] @ ws[1], lambda y: y @ ws[0], x)
 
     assert matmul_flops(_compile(branch, True, x, ws).as_text()) == 2 * ONE
+
+
+def test_a_loop_without_a_trip_count_is_read_from_its_condition_and_counter_step():
+    """TPU's windowed einsums carry no `known_trip_count`; a bidirectional one steps its
+    counter by 2. The same loop here, its annotation removed: `i < 8` by 2 runs 4 times."""
+    x, w = jnp.ones((B, D)), jnp.ones((D, D))
+
+    def stepped(x, w):
+        return jax.lax.while_loop(lambda c: c[0] < 8, lambda c: (c[0] + 2, c[1] @ w),
+                                  (0, x))[1]
+
+    text = _compile(stepped, x, w).as_text()
+    bare = re.sub(r'"known_trip_count":\{[^}]*\},?', "", text)
+    assert "known_trip_count" not in bare
+    assert matmul_flops(text) == matmul_flops(bare) == 4 * ONE
 
 
 def test_convolutions_count_their_window():

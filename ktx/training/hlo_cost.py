@@ -33,6 +33,9 @@ _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _LABELS_ALL = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 _COND = re.compile(r"\bcondition=%?([\w.\-]+)")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_GTE = re.compile(r"^get-tuple-element\([^)]*\),\s*index=(\d+)")
+_PARAM = re.compile(r"^parameter\((\d+)\)")
 _CONSTANT = re.compile(r"^constant\((-?\d+)\)")
 _COMPARE = re.compile(r"direction=(LT|LE)\b")
 
@@ -169,27 +172,63 @@ def _conv_flops(op_text: str, lhs: list[int] | None, rhs: list[int] | None,
 
 
 def _trip_count(op_text: str, comps: dict) -> int:
-    """A `while`'s trip count: XLA's `known_trip_count` where it gives one, else the bound
-    `N` of a condition `i < N` (`i <= N`: N + 1) on a counter from 0, the form of XLA's own
-    loops (TPU's windowed einsums carry no annotation); 1 when neither is found."""
+    """A `while`'s trip count: XLA's `known_trip_count` where it gives one, else from the
+    loop's condition `i < N` (`i <= N`: N + 1) on a counter from 0 and the body's step
+    `i + s` (TPU's windowed einsums carry no annotation, and a bidirectional one steps its
+    counter by 2); 1 when neither is found."""
     trip = _TRIP.search(op_text)
     if trip:
         return int(trip.group(1))
-    cond = _COND.search(op_text)
+    cond, body = _COND.search(op_text), _BODY.search(op_text)
     instrs = comps.get(cond.group(1), []) if cond else []
-    constants = {}
-    for name, _, text in instrs:
-        m = _CONSTANT.match(text)
-        if m:
-            constants[name] = int(m.group(1))
-    for _, _, text in instrs:
-        m = _COMPARE.search(text)
-        if not m or not text.startswith("compare("):
-            continue
-        bound = constants.get(_operands(text)[1])
-        if bound is not None:
-            return max(bound + (m.group(1) == "LE"), 1)
-    return 1
+    if not instrs:
+        return 1
+    constants = _constants(instrs)
+    opcode, operands = _root_op(instrs, comps)
+    m = _COMPARE.search(opcode)
+    if not m or len(operands) < 2 or operands[1] not in constants:
+        return 1
+    bound = constants[operands[1]] + (m.group(1) == "LE")
+    index = next((int(g.group(1)) for name, _, text in instrs
+                  if name == operands[0] and (g := _GTE.match(text))), None)
+    step = _counter_step(comps.get(body.group(1), []) if body else [], index, comps)
+    return max(-(-bound // step), 1)
+
+
+def _root_op(instrs: list, comps: dict, name: str | None = None) -> tuple[str, list[str]]:
+    """The opcode (with its attributes) and operand names of a computation's root (printed
+    last) or of its instruction `name`, looking through a fusion of one compare or add
+    (CPU wraps a loop's counter arithmetic so) to the fusion's own operands."""
+    text = dict((n, t) for n, _, t in instrs).get(name, "") if name else instrs[-1][2]
+    operands = _operands(text) if "(" in text else []
+    called = _CALLS.search(text)
+    if text.startswith("fusion(") and called and comps.get(called.group(2)):
+        inner = comps[called.group(2)]
+        params = {n: int(m.group(1)) for n, _, t in inner if (m := _PARAM.match(t))}
+        root = inner[-1][2]
+        if root.startswith(("compare(", "add(")):
+            mapped = [operands[params[o]] for o in _operands(root) if o in params]
+            return root, mapped
+    return text, operands
+
+
+def _constants(instrs: list) -> dict[str, int]:
+    return {name: int(m.group(1)) for name, _, text in instrs if (m := _CONSTANT.match(text))}
+
+
+def _counter_step(body: list, index: int | None, comps: dict) -> int:
+    """What a loop body adds to its counter: the constant `c` of `add(i, c)` that its root
+    tuple (printed last) carries at the counter's `index`; 1 when not of that form."""
+    if index is None or not body or not body[-1][2].startswith("tuple("):
+        return 1
+    outputs = _operands(body[-1][2])
+    if index >= len(outputs):
+        return 1
+    opcode, operands = _root_op(body, comps, outputs[index])
+    if not opcode.startswith("add("):
+        return 1
+    constants = _constants(body)
+    return next((c for c in (constants.get(o) for o in operands) if c and c > 0), 1)
 
 
 def matmul_flops(text: str) -> float | None:
