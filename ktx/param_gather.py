@@ -70,15 +70,16 @@ def _gather(shard: jax.Array, acc: jax.Array, tasks: jax.Array, axis: int,
 
 
 def _gather_fwd(shard, acc, tasks, axis, num_tasks):
-    return _gather(shard, acc, tasks, axis, num_tasks), tasks
+    return _gather(shard, acc, tasks, axis, num_tasks), (tasks, jnp.zeros((), acc.dtype))
 
 
-def _gather_bwd(axis, num_tasks, tasks, ct):
+def _gather_bwd(axis, num_tasks, res, ct):
+    tasks, acc_dtype = res[0], res[1].dtype
     # ct: this device's gradient of the whole parameter (its rows' task); its shard of
     # every device's gradient, then summed by the devices' tasks.
     pieces = jax.lax.all_to_all(ct[None], DATA, split_axis=axis + 1, concat_axis=0, tiled=True)
     per_task = jax.ops.segment_sum(pieces, tasks, num_segments=num_tasks)
-    return None, per_task, None
+    return None, per_task.astype(acc_dtype), None
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -146,8 +147,11 @@ def stack_hook(scope_path: tuple | None) -> bool:
     return True
 
 
-def split_param(shard: jax.Array, dim: int, num_tasks: int, lead: int) -> SplitParam:
+def split_param(shard: jax.Array, dim: int, num_tasks: int, lead: int,
+                dtype: Any = None) -> SplitParam:
     """A `SplitParam` of `shard` (split along its dimension `dim`) whose first `lead`
-    dimensions are stacked layers: the accumulator is `[*lead dims, T, *rest]`."""
-    acc = jnp.zeros(shard.shape[:lead] + (num_tasks,) + shard.shape[lead:], shard.dtype)
+    dimensions are stacked layers: the accumulator is `[*lead dims, T, *rest]`, of `dtype`
+    (default: the shard's), the dtype its per-task gradient shards are made in."""
+    acc = jnp.zeros(shard.shape[:lead] + (num_tasks,) + shard.shape[lead:],
+                    shard.dtype if dtype is None else dtype)
     return SplitParam(shard, acc, dim - shard.ndim)

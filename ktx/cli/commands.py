@@ -138,7 +138,7 @@ def _precompile_kwargs(topology: str) -> dict:
     kwargs = {k: _resolve_reference(bound[k]) for k in (
         "model", "optimizer", "balancer", "num_partitions", "num_microbatches", "grad_method",
         "shared", "additional_rules", "parameter_partitioning_dims", "target_task",
-        "weights_from_losses") if k in bound}
+        "weights_from_losses", "task_grad_dtype") if k in bound}
     if unbound(lengths):
         try:  # a model whose features have no length (the recommendation model) needs none
             kwargs["model"].input_spec(int(batch_size), None)

@@ -119,6 +119,7 @@ def per_device_task_gradients(
     slots: int,
     scatter_dims: Sequence[int | None] | None = None,
     split: Sequence[bool] | None = None,
+    dtype: Any = None,
 ) -> tuple[jax.Array, Any, Any]:
     """`(sums [T], aux, grads)`: the batch's per-task loss sums and aux sums, and the
     params-structured per-task gradients `[T, *shape]` (split over `data` along
@@ -166,7 +167,7 @@ def per_device_task_gradients(
                 f"each device (slots=1, got {slots}): rows in blocks of batch / data "
                 f"(--gin.mixing.Mixing.block_rows), or parameter_partitioning_dims=1")
         return _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks,
-                                     scatter_dims, split, rules)
+                                     scatter_dims, split, rules, dtype)
 
     def local(p, b, norm):
         with nn.logical_axis_rules(rules):
@@ -183,7 +184,7 @@ def per_device_task_gradients(
                 g = jax.lax.all_gather(g, DATA, tiled=True)
             else:
                 g = jax.lax.all_to_all(g, DATA, split_axis=k + 1, concat_axis=0, tiled=True)
-            out.append(jax.ops.segment_sum(g, all_tasks, num_segments=num_tasks))
+            out.append(_cast(jax.ops.segment_sum(g, all_tasks, num_segments=num_tasks), dtype))
         sums = jax.lax.psum(sums, DATA)
         aux = jax.tree.map(lambda a: jax.lax.psum(a, DATA), aux)
         return sums, aux, treedef.unflatten(out)
@@ -205,6 +206,10 @@ def per_device_task_gradients(
     return fn(params, dict(batch), normalizer)
 
 
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+    return x if dtype is None else x.astype(dtype)
+
+
 def _spec(k: int | None, ndim: int, lead: int = 0) -> PartitionSpec:
     """`data` on dimension `k` of a `lead`-prefixed array (None: replicated)."""
     if k is None:
@@ -213,7 +218,7 @@ def _spec(k: int | None, ndim: int, lead: int = 0) -> PartitionSpec:
 
 
 def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, scatter_dims,
-                          split, rules):
+                          split, rules, dtype=None):
     """`per_device_task_gradients` with some parameters split over `data` (`split`), one
     task on each device: one forward and one backward pass per device, whose split
     parameters are gathered where used (`ktx.param_gather`)."""
@@ -236,7 +241,7 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
         (task,) = jnp.nonzero(present, size=1, fill_value=num_tasks)
         tasks = jax.lax.all_gather(task, DATA, tiled=True)  # [data]
         whole = [x for x, s in zip(p_leaves, split) if not s]
-        accs = [param_gather.split_param(x, k, num_tasks, int(st)).acc
+        accs = [param_gather.split_param(x, k, num_tasks, int(st), dtype).acc
                 for x, k, s, st in zip(p_leaves, scatter_dims, split, stacked) if s]
 
         def loss(whole, accs):
@@ -264,7 +269,7 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
                 g = jax.lax.all_gather(g, DATA, tiled=True)
             else:
                 g = jax.lax.all_to_all(g, DATA, split_axis=k + 1, concat_axis=0, tiled=True)
-            out.append(jax.ops.segment_sum(g, tasks, num_segments=num_tasks))
+            out.append(_cast(jax.ops.segment_sum(g, tasks, num_segments=num_tasks), dtype))
         sums = jax.lax.psum(sums, DATA)
         aux = jax.tree.map(lambda a: jax.lax.psum(a, DATA), aux)
         return sums, aux, treedef.unflatten(out)

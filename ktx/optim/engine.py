@@ -398,6 +398,7 @@ def compute_task_gradients(
     slots: int | None = None,
     scatter_dims: Sequence[int | None] | None = None,
     split: Sequence[bool] | None = None,
+    dtype: Any = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], TaskGradients]:
     """Per-task losses and gradients (call inside `jax.jit`).
 
@@ -429,6 +430,11 @@ def compute_task_gradients(
       sparse_tables: regexes selecting `nn.Embed` tables (e.g. `r"_embedding/embedding$"`)
         whose per-task gradients are kept as `SparseRows` (see `ktx.optim.sparse`);
         None: every table is differentiated densely.
+      dtype: the dtype of the dense per-task gradients (`TaskGradients.stacked`), e.g.
+        `jnp.bfloat16` to hold them in half the memory; None: the parameters'. With
+        `method="devices"` they are made in it (a parameter split over `data` gets its
+        per-task gradient shards in it from the gather's backward pass); the other
+        methods round theirs to it.
 
     Returns:
       `(task_losses [T], aux, task_grads)`: `task_losses = sums / normalizer`, aux the
@@ -457,7 +463,7 @@ def compute_task_gradients(
             _check_slots(batch["task_id"], slots)
         sums, aux, grads = per_device_task_gradients(
             loss_sums_fn, normalizer, params, batch, num_tasks=num_tasks, slots=slots,
-            scatter_dims=scatter_dims, split=split)
+            scatter_dims=scatter_dims, split=split, dtype=dtype)
         return sums / normalizer, aux, split_shared(grads, params, shared)
     if method == "blocks":
         if task_counts is None and task_capacity is None:
@@ -483,6 +489,9 @@ def compute_task_gradients(
         sums, aux, grads = _sparse_vjp(sl, loss_sums_fn, normalizer, params, batch, num_tasks)
     else:
         sums, aux, grads = _vjp(loss_sums_fn, normalizer, params, batch, num_tasks)
+    if dtype is not None:
+        grads = jax.tree.map(lambda g: g if isinstance(g, SparseRows) else g.astype(dtype),
+                             grads, is_leaf=lambda x: isinstance(x, SparseRows))
     return sums / normalizer, aux, split_shared(grads, params, shared)
 
 

@@ -197,6 +197,7 @@ def train(
     target_task: int = 0,
     log_diagnostics: bool = True,
     weights_from_losses: bool = True,
+    task_grad_dtype: str | None = None,
     norm_metrics: bool = True,
     seed: int = 0,
     log_period: int = 100,
@@ -244,6 +245,9 @@ def train(
         (Single-Loss, Vanilla-Multi, fixed weights, Uncertainty, DWA): one backward pass
         of the weighted loss instead of per-task gradients (the same update); False:
         per-task gradients every step (`StepOptions.weights_from_losses`).
+      task_grad_dtype: balanced runs: "bfloat16" holds the per-task gradients in bfloat16
+        (`StepOptions.task_grad_dtype`), for a model whose T gradient shards do not fit
+        in float32; None: the parameters' dtype.
       norm_metrics: report `grad_norm`, `update_norm` and `param_norm` (three passes over
         the parameters every step; False for a small model whose step they slow, as the
         recommendation model's: `runs/recsys_train.gin`).
@@ -333,7 +337,7 @@ def train(
         num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
         sparse_tables=sparse_tables, diagnostics_period=log_period if log_diagnostics else 0,
         target_task=target_task, uncertainty_rows=mt_uncertainty_rows, norm_metrics=norm_metrics,
-        weights_from_losses=weights_from_losses,
+        weights_from_losses=weights_from_losses, task_grad_dtype=task_grad_dtype,
         uncertainty_proxies=proxies,
         # A sharded MultiTaskInput's process-grouped batches: the step regroups them by task.
         regroup_by_task=bool(getattr(train_input, "process_grouped", False)),

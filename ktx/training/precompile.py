@@ -272,6 +272,7 @@ def precompile(
     parameter_partitioning_dims: int = 1,
     target_task: int = 0,
     weights_from_losses: bool = True,
+    task_grad_dtype: str | None = None,
     task_counts: Sequence[int] | None = None,
     on_compile: Callable[[dict[str, int]], None] | None = None,
 ) -> PrecompileReport:
@@ -290,7 +291,8 @@ def precompile(
     trainer = Trainer(model, optimizer, mesh=mesh, rules=rules, balancer=balancer,
                       num_microbatches=num_microbatches, grad_method=grad_method, shared=shared,
                       diagnostics_period=100, target_task=target_task,
-                      weights_from_losses=weights_from_losses)
+                      weights_from_losses=weights_from_losses,
+                      task_grad_dtype=task_grad_dtype)
     spec = model.input_spec(batch_size, task_feature_lengths)
     abstract_state, _ = trainer.create_abstract_state(spec)
     data = partitioning.data_sharding(mesh)

@@ -104,6 +104,10 @@ class StepOptions:
         is split over `data` along its scatter dimension (`parameter_partitioning_dims=2`):
         it enters the per-device region as a shard and is gathered where used, a scanned
         stack's layer at a time (`ktx.param_gather`). None: every parameter enters whole.
+      task_grad_dtype: balanced path: "bfloat16" holds the per-task gradients in bfloat16,
+        half the memory of float32 parameters' (device by device they are made in it,
+        `compute_task_gradients(dtype=)`); the balancer reads them as float32. None: the
+        parameters' dtype.
       check_layout: balanced path: check in the step that the rows are grouped by task as
         the blocks promise (False when the host already checked, `Trainer.global_batch`).
       regroup_by_task: the global batch is process-grouped (`[p0: t0 t1 ..][p1: t0 t1 ..]
@@ -146,6 +150,7 @@ class StepOptions:
     device_slots: int | None = None
     scatter_dims: tuple[int | None, ...] | None = None
     split_params: tuple[bool, ...] | None = None
+    task_grad_dtype: str | None = None
     check_layout: bool = True
     regroup_by_task: bool = False
     diagnostics_period: int = 1
@@ -163,6 +168,9 @@ class StepOptions:
         if self.grad_method not in ("auto", "blocks", "vjp", "devices"):
             raise ValueError(f"grad_method={self.grad_method!r}; accepted: 'auto', 'blocks', "
                              "'vjp', 'devices'")
+        if self.task_grad_dtype not in (None, "bfloat16", "float32"):
+            raise ValueError(f"task_grad_dtype={self.task_grad_dtype!r}; accepted: None (the "
+                             "parameters' dtype), 'bfloat16' or 'float32'")
         d = self.diagnostics_period
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
             raise ValueError(f"diagnostics_period={d!r}; accepted: an int >= 0 (0: never)")
@@ -378,17 +386,22 @@ def train_step(
                         loss_sums, normalizer, params, mb, num_tasks=num_tasks,
                         shared=options.shared, method="devices", slots=options.device_slots,
                         scatter_dims=options.scatter_dims, split=options.split_params,
-                        check_layout=options.check_layout)
+                        check_layout=options.check_layout, dtype=options.task_grad_dtype)
                 return optim.compute_task_gradients(
                     loss_sums, normalizer, params, mb,
                     num_tasks=num_tasks, shared=options.shared,
                     sparse_tables=options.sparse_tables,
                     method=options.grad_method if blocked else "vjp",
                     task_capacity=options.task_capacity if blocked else None,
-                    check_layout=options.check_layout,
+                    check_layout=options.check_layout, dtype=options.task_grad_dtype,
                 )
 
-            return accumulate(task_grads, rows, options.num_microbatches)
+            losses, aux, per_task = accumulate(task_grads, rows, options.num_microbatches)
+            if options.task_grad_dtype is not None:  # the balancer computes in float32
+                per_task = jax.tree.map(
+                    lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating)
+                    else g, per_task)
+            return losses, aux, per_task
 
         balancer_state = state.opt_state[0]
         # `static`: whether this step logs the diagnostics, when known at compile time

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -247,16 +248,18 @@ def test_parameters_split_over_data_are_gathered_layer_by_layer():
 def test_split_parameters_through_the_trainer_update_as_on_one_device():
     """2-D parameter partitioning with one task on each device: "auto" takes per-task
     gradients device by device with split parameters, and MetaBalance, PCGrad and MGDA
-    update as on one device; with two tasks on a device it keeps the task blocks."""
+    update as on one device; with two tasks on a device it keeps the task blocks. Per-task
+    gradients held in bfloat16 (`task_grad_dtype`) are made so in the gather's backward
+    pass and update as the float32 ones do, to bfloat16's rounding."""
     model = ToyModel(num_tasks=4, dim=8, hidden=16)
     one = partitioning.create_mesh(1, devices=jax.devices()[:1])
     mesh = partitioning.create_mesh(2)
     batches = [_batch(ONE_TASK_EACH, dim=8, seed=step) for step in range(3)]
 
-    def run(make, m, dims):
+    def run(make, m, dims, **options):
         rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
         tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=make(), mesh=m, rules=rules,
-                                 weights_from_losses=False)
+                                 weights_from_losses=False, **options)
         state = tr.init_state(jax.random.key(0), batches[0])
         for b in batches:
             state, _ = tr.train_step(state, b, jax.random.key(1), task_counts=ONE_TASK_EACH)
@@ -271,6 +274,12 @@ def test_split_parameters_through_the_trainer_update_as_on_one_device():
         assert split is not None and any(split) and tr._params_split_over_data()
         jax.tree.map(lambda a, b: np.testing.assert_allclose(
             a, b, rtol=0, atol=1e-6 * np.abs(b).max(), err_msg=name), got, expected)
+        if name == "metabalance":
+            tr, half = run(BALANCERS[name], mesh, 2, task_grad_dtype="bfloat16")
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(
+                a, b, rtol=0, atol=2e-2 * np.abs(b).max(), err_msg=name), half, expected)
+            moved = jax.tree.map(lambda a, b, c: np.abs(a - c).max() > 0, half, got, expected)
+            assert any(jax.tree.leaves(moved))  # rounded: not the float32 step's numbers
     # Two tasks on a device (COUNTS): "auto" keeps the blocks for split parameters.
     rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
     tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=BALANCERS["pcgrad"](), mesh=mesh,
@@ -278,3 +287,34 @@ def test_split_parameters_through_the_trainer_update_as_on_one_device():
     state = tr.init_state(jax.random.key(0), _batch(dim=8))
     tr.train_step(state, _batch(dim=8), jax.random.key(1), task_counts=COUNTS)
     assert [k[0][0] for k in tr._compiled] != ["devices"]
+
+
+def test_split_per_task_gradients_in_bfloat16():
+    """`dtype=bfloat16`: the per-task gradient shards of split parameters come out of the
+    gather's backward pass in bfloat16 (and the whole ones' too), equal to the float32
+    ones rounded."""
+    from ktx.optim.device_slots import per_device_task_gradients
+
+    model = ToyModel(num_tasks=4, dim=8, hidden=16)
+    batch = _batch(ONE_TASK_EACH, dim=8)
+    boxed = model.init_variables(jax.random.key(0), batch)["params"]
+    params = nn.meta.unbox(boxed)
+    norm = model.normalizer(batch)
+
+    def loss_sums(p, b):
+        return model.loss_sums(p, b, None, False)
+
+    mesh = partitioning.create_mesh(2)
+    rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        placed = jax.device_put(params, partitioning.logical_to_shardings(
+            nn.get_partition_spec(boxed), mesh, rules))
+        dims, split = _split_dims(placed, mesh)
+        assert any(split) and not all(split)
+        sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(partitioning.DATA)))
+        out = {dt: jax.jit(lambda p, b, dt=dt: per_device_task_gradients(
+            loss_sums, norm, p, b, num_tasks=4, slots=1, scatter_dims=dims, split=split,
+            dtype=dt))(placed, sharded)[2] for dt in (None, jnp.bfloat16)}
+    for full, half in zip(jax.tree.leaves(out[None]), jax.tree.leaves(out[jnp.bfloat16])):
+        assert full.dtype == jnp.float32 and half.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(half), np.asarray(full.astype(jnp.bfloat16)))
