@@ -8,7 +8,8 @@ step with 1-D partitioning costs. Instead, a parameter enters as this device's s
 `SplitParam`, and is all-gathered where it is used:
 
 * a scanned layer stack gathers one layer's parameters at a time inside the scan's body
-  (`gather_layer_params`, installed by `ktx.models.t5_stack.run_stack`), so a device
+  (`gather_layer_params`, installed by `ktx.models.t5_stack.gathered_layers` in T5's,
+  BERT's, PALs' and CA-MTL's scanned stacks), so a device
   holds one layer whole, as XLA's partitioner does for the plain step; under
   rematerialisation the backward pass gathers the layer again;
 * any other split parameter is gathered once where the region starts.

@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from ktx.models.t5 import ACTIVATION_DTYPES
-from ktx.models.t5_stack import check_remat_policy, layer_class
+from ktx.models.t5_stack import check_remat_policy, gathered_layers, layer_class
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LAYERS, LENGTH, MLP, VOCAB
 
 __all__ = [
@@ -478,7 +478,8 @@ class BertEncoder(nn.Module):
         fields = (c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
                   c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype)
         if c.scan_layers:
-            body = layer_class(BertLayer, c.remat_policy, _STATIC_ARGNUMS, scanned=True)
+            body = layer_class(gathered_layers(BertLayer, self.scope), c.remat_policy,
+                               _STATIC_ARGNUMS, scanned=True)
             self.layers = nn.scan(
                 body, variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True},

@@ -85,7 +85,7 @@ from ktx.analysis.params import CONDITIONING_SCOPE, count_parameters
 from ktx.models import bert, encoder
 from ktx.models.encoder import normalised_entropy, row_normalised_entropy
 from ktx.models.base import Batch
-from ktx.models.t5_stack import layer_class
+from ktx.models.t5_stack import gathered_layers, layer_class
 from ktx.models.camtl_layers import (
     Array,
     BlockDiagonalBias,
@@ -161,7 +161,8 @@ class CaMtlEncoder(nn.Module):
             # One CaMtlLayer definition over every layer: x is the carry, each layer's
             # task bias and layer-norm FiLMs its slice, the padding mask and
             # `deterministic` (argument 6, self = 0, static under remat) broadcast.
-            body = layer_class(CaMtlLayer, c.remat_policy, (6,), scanned=True)
+            body = layer_class(gathered_layers(CaMtlLayer, self.scope), c.remat_policy, (6,),
+                               scanned=True)
             self.layers = nn.scan(
                 body, variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True},

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from ktx.conditioning.task_embedding import gather_by_task
 from ktx.models import bert, encoder
 from ktx.models.base import Batch
-from ktx.models.t5_stack import layer_class
+from ktx.models.t5_stack import gathered_layers, layer_class
 from ktx.partitioning import (
     BATCH,
     EMBED,
@@ -244,7 +244,8 @@ class ConditionedBertClassifier(nn.Module):
                   c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype)
         # `deterministic` is argument 3 of both layers' __call__ (self = 0); hooks as keywords.
         if c.scan_layers:
-            body = layer_class(ScannedConditionedLayer, c.remat_policy, (3,), scanned=True)
+            body = layer_class(gathered_layers(ScannedConditionedLayer, self.scope),
+                               c.remat_policy, (3,), scanned=True)
             hook = None if self.conditioning is None else self.conditioning.layer_hook_module()
             self.layers = nn.scan(
                 body, variable_axes={"params": 0, "intermediates": 0},

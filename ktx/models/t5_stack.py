@@ -89,6 +89,15 @@ def layer_class(cls: type, policy: str, static_argnums: Sequence[int], *, scanne
                     static_argnums=tuple(static_argnums))
 
 
+def gathered_layers(cls: type, scope: Any) -> type:
+    """The layer class a scanned stack (scope `layers` under `scope`, a module's scope or
+    its path) runs: inside a device-by-device region with parameters split over `data`
+    (`ktx.param_gather`) one that gathers its layer's parameters in the scan's body, to be
+    wrapped in remat after (so the backward pass gathers again); else `cls`."""
+    path = getattr(scope, "path", scope)
+    return gather_layer_params(cls) if stack_hook(path) else cls
+
+
 def run_stack(
     make_layer: Any,
     cls: type,
@@ -116,9 +125,7 @@ def run_stack(
         for i in range(num_layers):
             x = make_layer(i)(x, *args)
         return x
-    if stack_hook(scope_path):
-        cls = gather_layer_params(cls)  # inside remat: the backward pass gathers again
-    body = layer_class(cls, remat, static_argnums, scanned=True)
+    body = layer_class(gathered_layers(cls, scope_path), remat, static_argnums, scanned=True)
     stack = nn.scan(
         body,
         variable_axes={"params": 0, "cache": 0, "intermediates": 0},

@@ -318,3 +318,58 @@ def test_split_per_task_gradients_in_bfloat16():
     for full, half in zip(jax.tree.leaves(out[None]), jax.tree.leaves(out[jnp.bfloat16])):
         assert full.dtype == jnp.float32 and half.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(half), np.asarray(full.astype(jnp.bfloat16)))
+
+
+def test_bert_family_scanned_stacks_gather_their_layers():
+    """BERT, PALs and CA-MTL with scanned layers and 2-D parameter partitioning, one task
+    on each device: the split path's per-task gradients equal the one-hot VJP path's, and
+    each model's layers are gathered inside its scan's body."""
+    from ktx.models import bert, camtl, encoder, pals
+    from ktx.optim.device_slots import per_device_task_gradients
+
+    config = bert.BertConfig(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2,
+                             intermediate_size=32, max_position=16, dropout_rate=0.0,
+                             attention_dropout_rate=0.0, scan_layers=True,
+                             remat_policy="minimal")
+    labels = (3, 1, 3, 1)
+    models = {
+        "bert": encoder.EncoderClassifierModel(config, num_labels=labels),
+        "pals": pals.PalsClassifierModel(config, num_labels=labels, pals_size=4, pals_heads=2),
+        "camtl": camtl.CaMtlClassifierModel(config, camtl=camtl.CaMtlConfig("base", 8),
+                                            num_labels=labels),
+    }
+    n = sum(ONE_TASK_EACH)
+    rng = np.random.default_rng(0)
+    task = np.repeat(np.arange(4), ONE_TASK_EACH).astype(np.int32)
+    batch = {"input_ids": rng.integers(1, 40, (n, 8)).astype(np.int32),
+             "token_type_ids": np.zeros((n, 8), np.int32),
+             "label": np.where(task % 2 == 0, rng.integers(0, 3, n), rng.normal(size=n)
+                               ).astype(np.float32),
+             "task_id": task}
+    mesh = partitioning.create_mesh(2)  # 4 x 2
+    rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
+    for name, model in models.items():
+        boxed = model.init_variables(jax.random.key(0), batch)["params"]
+        params = nn.meta.unbox(boxed)
+        norm = model.normalizer(batch)
+
+        def loss_sums(p, b, model=model):
+            return model.loss_sums(p, b, None, False)
+
+        _, _, ref = jax.jit(lambda p, b: optim.compute_task_gradients(
+            loss_sums, norm, p, b, num_tasks=4, method="vjp"))(params, batch)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            placed = jax.device_put(params, partitioning.logical_to_shardings(
+                nn.get_partition_spec(boxed), mesh, rules))
+            dims, split = _split_dims(placed, mesh)
+            fn = jax.jit(lambda p, b: per_device_task_gradients(
+                loss_sums, norm, p, b, num_tasks=4, slots=1, scatter_dims=dims, split=split))
+            sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(partitioning.DATA)))
+            compiled = fn.lower(placed, sharded).compile()
+            got = compiled(placed, sharded)[2]
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                                jax.tree.leaves(ref.stacked)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{name} {jax.tree_util.keystr(path)}")
+        gathers = [line for line in compiled.as_text().splitlines() if " all-gather(" in line]
+        assert any("while/body" in line for line in gathers), name
