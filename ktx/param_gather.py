@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from ktx.partitioning import DATA
 
 __all__ = ["SplitParam", "gather", "gather_layer_params", "gathering", "recording",
-           "split_param", "stack_hook"]
+           "split_param", "stack_hook", "sum_by_task"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -63,6 +63,20 @@ class SplitParam:
         return cls(*children, *aux)
 
 
+def sum_by_task(grads: jax.Array, dim: int | None, tasks: jax.Array, num_tasks: int,
+                dtype: Any = None) -> jax.Array:
+    """Inside a manual `data` region: `grads` `[n, *shape]`, this device's gradients of
+    the tasks `tasks` names for every device's n (all devices' `[data * n]`, the task count
+    for none), to `[T, *shape]` per-task sums split over `data` along `dim` (an
+    `all_to_all`; None: whole, an `all_gather`), in `dtype` (None: as they are)."""
+    if dim is None:
+        pieces = jax.lax.all_gather(grads, DATA, tiled=True)
+    else:
+        pieces = jax.lax.all_to_all(grads, DATA, split_axis=dim + 1, concat_axis=0, tiled=True)
+    per_task = jax.ops.segment_sum(pieces, tasks, num_segments=num_tasks)
+    return per_task if dtype is None else per_task.astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gather(shard: jax.Array, acc: jax.Array, tasks: jax.Array, axis: int,
             num_tasks: int) -> jax.Array:
@@ -71,16 +85,14 @@ def _gather(shard: jax.Array, acc: jax.Array, tasks: jax.Array, axis: int,
 
 
 def _gather_fwd(shard, acc, tasks, axis, num_tasks):
+    # The accumulator's dtype (that of the per-task gradients), kept as a scalar.
     return _gather(shard, acc, tasks, axis, num_tasks), (tasks, jnp.zeros((), acc.dtype))
 
 
 def _gather_bwd(axis, num_tasks, res, ct):
+    # ct: this device's gradient of the whole parameter (its rows' task).
     tasks, acc_dtype = res[0], res[1].dtype
-    # ct: this device's gradient of the whole parameter (its rows' task); its shard of
-    # every device's gradient, then summed by the devices' tasks.
-    pieces = jax.lax.all_to_all(ct[None], DATA, split_axis=axis + 1, concat_axis=0, tiled=True)
-    per_task = jax.ops.segment_sum(pieces, tasks, num_segments=num_tasks)
-    return None, per_task.astype(acc_dtype), None
+    return None, sum_by_task(ct[None], axis, tasks, num_tasks, acc_dtype), None
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

@@ -478,7 +478,7 @@ class BertEncoder(nn.Module):
         fields = (c.num_heads, c.head_dim, c.intermediate_size, c.hidden_act,
                   c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype)
         if c.scan_layers:
-            body = layer_class(gathered_layers(BertLayer, self.scope), c.remat_policy,
+            body = layer_class(gathered_layers(BertLayer, self.scope.path), c.remat_policy,
                                _STATIC_ARGNUMS, scanned=True)
             self.layers = nn.scan(
                 body, variable_axes={"params": 0, "intermediates": 0},

@@ -161,7 +161,7 @@ class CaMtlEncoder(nn.Module):
             # One CaMtlLayer definition over every layer: x is the carry, each layer's
             # task bias and layer-norm FiLMs its slice, the padding mask and
             # `deterministic` (argument 6, self = 0, static under remat) broadcast.
-            body = layer_class(gathered_layers(CaMtlLayer, self.scope), c.remat_policy, (6,),
+            body = layer_class(gathered_layers(CaMtlLayer, self.scope.path), c.remat_policy, (6,),
                                scanned=True)
             self.layers = nn.scan(
                 body, variable_axes={"params": 0, "intermediates": 0},

@@ -244,7 +244,7 @@ class ConditionedBertClassifier(nn.Module):
                   c.layer_norm_eps, c.dropout_rate, c.attention_dropout_rate, dtype)
         # `deterministic` is argument 3 of both layers' __call__ (self = 0); hooks as keywords.
         if c.scan_layers:
-            body = layer_class(gathered_layers(ScannedConditionedLayer, self.scope),
+            body = layer_class(gathered_layers(ScannedConditionedLayer, self.scope.path),
                                c.remat_policy, (3,), scanned=True)
             hook = None if self.conditioning is None else self.conditioning.layer_hook_module()
             self.layers = nn.scan(

@@ -89,13 +89,12 @@ def layer_class(cls: type, policy: str, static_argnums: Sequence[int], *, scanne
                     static_argnums=tuple(static_argnums))
 
 
-def gathered_layers(cls: type, scope: Any) -> type:
-    """The layer class a scanned stack (scope `layers` under `scope`, a module's scope or
-    its path) runs: inside a device-by-device region with parameters split over `data`
+def gathered_layers(cls: type, scope_path: tuple | None) -> type:
+    """The layer class a scanned stack (scope `layers` under the module at `scope_path`)
+    runs: inside a device-by-device region with parameters split over `data`
     (`ktx.param_gather`) one that gathers its layer's parameters in the scan's body, to be
     wrapped in remat after (so the backward pass gathers again); else `cls`."""
-    path = getattr(scope, "path", scope)
-    return gather_layer_params(cls) if stack_hook(path) else cls
+    return gather_layer_params(cls) if stack_hook(scope_path) else cls
 
 
 def run_stack(

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from ktx import param_gather
 from ktx.partitioning import DATA
 
 __all__ = ["device_slots", "per_device_task_gradients", "default_scatter_dim", "slots_advice"]
@@ -178,13 +179,8 @@ def per_device_task_gradients(
             cot = jax.nn.one_hot(tasks, num_tasks, dtype=sums.dtype) / norm.astype(sums.dtype)
             grads = jax.vmap(lambda c: vjp_fn(c)[0])(cot)  # [slots, *shape] per leaf
         all_tasks = jax.lax.all_gather(tasks, DATA, tiled=True)  # [data * slots]
-        out = []
-        for g, k in zip(jax.tree.leaves(grads), scatter_dims):
-            if k is None:
-                g = jax.lax.all_gather(g, DATA, tiled=True)
-            else:
-                g = jax.lax.all_to_all(g, DATA, split_axis=k + 1, concat_axis=0, tiled=True)
-            out.append(_cast(jax.ops.segment_sum(g, all_tasks, num_segments=num_tasks), dtype))
+        out = [param_gather.sum_by_task(g, k, all_tasks, num_tasks, dtype)
+               for g, k in zip(jax.tree.leaves(grads), scatter_dims)]
         sums = jax.lax.psum(sums, DATA)
         aux = jax.tree.map(lambda a: jax.lax.psum(a, DATA), aux)
         return sums, aux, treedef.unflatten(out)
@@ -206,10 +202,6 @@ def per_device_task_gradients(
     return fn(params, dict(batch), normalizer)
 
 
-def _cast(x: jax.Array, dtype: Any) -> jax.Array:
-    return x if dtype is None else x.astype(dtype)
-
-
 def _spec(k: int | None, ndim: int, lead: int = 0) -> PartitionSpec:
     """`data` on dimension `k` of a `lead`-prefixed array (None: replicated)."""
     if k is None:
@@ -222,7 +214,6 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
     """`per_device_task_gradients` with some parameters split over `data` (`split`), one
     task on each device: one forward and one backward pass per device, whose split
     parameters are gathered where used (`ktx.param_gather`)."""
-    from ktx import param_gather
     from ktx.treepath import name as path_str
 
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -264,12 +255,7 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
                 g = next(it_a)  # [T, *shard], or [L, T, *shard] for a scanned stack's
                 out.append(jnp.moveaxis(g, 1, 0) if st else g)
                 continue
-            g = next(it_w)[None]
-            if k is None:
-                g = jax.lax.all_gather(g, DATA, tiled=True)
-            else:
-                g = jax.lax.all_to_all(g, DATA, split_axis=k + 1, concat_axis=0, tiled=True)
-            out.append(_cast(jax.ops.segment_sum(g, tasks, num_segments=num_tasks), dtype))
+            out.append(param_gather.sum_by_task(next(it_w)[None], k, tasks, num_tasks, dtype))
         sums = jax.lax.psum(sums, DATA)
         aux = jax.tree.map(lambda a: jax.lax.psum(a, DATA), aux)
         return sums, aux, treedef.unflatten(out)
