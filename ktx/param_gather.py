@@ -35,6 +35,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from ktx.partitioning import DATA
 
@@ -50,13 +51,16 @@ class SplitParam:
     scan that slices leading layer axes keeps it right); `acc`: zeros shaped like the
     shard with the task axis `T` inserted `ndim_from_end` dimensions from the end (before
     the parameter's own dimensions: `[L, T, ...]` for a scanned stack's parameter), whose
-    cotangent is the per-task gradient shards."""
+    cotangent is the per-task gradient shards. `layout`: the mesh axes other than `data`
+    of each of the parameter's dimensions (its `PartitionSpec` without `data`, one entry
+    per dimension, read from the end like `dim`), which the gathered parameter, its
+    gradient and its per-task gradient shards keep; None: left to XLA's partitioner."""
 
-    def __init__(self, shard: Any, acc: Any, dim: int):
-        self.shard, self.acc, self.dim = shard, acc, dim
+    def __init__(self, shard: Any, acc: Any, dim: int, layout: tuple | None = None):
+        self.shard, self.acc, self.dim, self.layout = shard, acc, dim, layout
 
     def tree_flatten(self):
-        return (self.shard, self.acc), (self.dim,)
+        return (self.shard, self.acc), (self.dim, self.layout)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -77,22 +81,52 @@ def sum_by_task(grads: jax.Array, dim: int | None, tasks: jax.Array, num_tasks: 
     return per_task if dtype is None else per_task.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tail(layout: tuple, ndim: int) -> tuple:
+    return tuple(layout[len(layout) - ndim:]) if ndim else ()
+
+
+def _local(fn, x: jax.Array, tasks: jax.Array, axis: int, layout: tuple | None,
+           lead_in: int, lead_out: int) -> jax.Array:
+    """`fn(x, tasks)`, a collective over `data` along the parameter's dimension `axis`
+    (counted from the end), run on each device's block of `x` over the mesh's other axes
+    as `layout` lays out its last dimensions (the first `lead_in` whole; the output's
+    first `lead_out`). Inside a region manual over `data` only, XLA's partitioner makes
+    a collective's operand whole over the other axes first: every layer, table and
+    gradient gathered over `model` as well. A nested `shard_map` manual over the layout's
+    axes keeps them split. Without a layout, or where another axis shares the collective's
+    dimension, `fn` runs on `x` as it is."""
+    ndim = x.ndim - lead_in
+    tail = _tail(layout, ndim) if layout is not None else ()
+    names = {a for e in tail if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+    if not names or tail[axis] is not None:
+        return fn(x, tasks)
+    return jax.shard_map(
+        fn, mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(PartitionSpec(*((None,) * lead_in + tail)), PartitionSpec()),
+        out_specs=PartitionSpec(*((None,) * lead_out + tail)),
+        axis_names=names, check_vma=False)(x, tasks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _gather(shard: jax.Array, acc: jax.Array, tasks: jax.Array, axis: int,
-            num_tasks: int) -> jax.Array:
-    del acc, tasks, num_tasks
-    return jax.lax.all_gather(shard, DATA, axis=axis, tiled=True)
+            num_tasks: int, layout: tuple | None) -> jax.Array:
+    del acc, num_tasks
+    return _local(lambda x, _: jax.lax.all_gather(x, DATA, axis=axis, tiled=True),
+                  shard, tasks, axis - shard.ndim, layout, 0, 0)
 
 
-def _gather_fwd(shard, acc, tasks, axis, num_tasks):
+def _gather_fwd(shard, acc, tasks, axis, num_tasks, layout):
     # The accumulator's dtype (that of the per-task gradients), kept as a scalar.
-    return _gather(shard, acc, tasks, axis, num_tasks), (tasks, jnp.zeros((), acc.dtype))
+    return (_gather(shard, acc, tasks, axis, num_tasks, layout),
+            (tasks, jnp.zeros((), acc.dtype)))
 
 
-def _gather_bwd(axis, num_tasks, res, ct):
+def _gather_bwd(axis, num_tasks, layout, res, ct):
     # ct: this device's gradient of the whole parameter (its rows' task).
     tasks, acc_dtype = res[0], res[1].dtype
-    return None, sum_by_task(ct[None], axis, tasks, num_tasks, acc_dtype), None
+    per_task = _local(lambda g, t: sum_by_task(g, axis, t, num_tasks, acc_dtype),
+                      ct[None], tasks, axis - ct.ndim, layout, 1, 1)
+    return None, per_task, None
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -135,7 +169,7 @@ def gather(x: Any) -> Any:
         return x
     region = _REGIONS[-1]
     axis = x.shard.ndim + x.dim
-    return _gather(x.shard, x.acc, region.tasks, axis, region.num_tasks)
+    return _gather(x.shard, x.acc, region.tasks, axis, region.num_tasks, x.layout)
 
 
 def _gather_tree(variables: Any) -> Any:
@@ -161,10 +195,16 @@ def stack_hook(scope_path: tuple | None) -> bool:
 
 
 def split_param(shard: jax.Array, dim: int, num_tasks: int, lead: int,
-                dtype: Any = None) -> SplitParam:
+                dtype: Any = None, layout: tuple | None = None) -> SplitParam:
     """A `SplitParam` of `shard` (split along its dimension `dim`) whose first `lead`
     dimensions are stacked layers: the accumulator is `[*lead dims, T, *rest]`, of `dtype`
-    (default: the shard's), the dtype its per-task gradient shards are made in."""
+    (default: the shard's), the dtype its per-task gradient shards are made in. `layout`:
+    see `SplitParam` (one entry per dimension of `shard`)."""
     acc = jnp.zeros(shard.shape[:lead] + (num_tasks,) + shard.shape[lead:],
                     shard.dtype if dtype is None else dtype)
-    return SplitParam(shard, acc, dim - shard.ndim)
+    if layout is not None:
+        layout = tuple(layout)
+        if len(layout) != shard.ndim:
+            raise ValueError(f"split_param: layout {layout} has {len(layout)} entries for a "
+                             f"{shard.ndim}-D parameter")
+    return SplitParam(shard, acc, dim - shard.ndim, layout)

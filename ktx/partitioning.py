@@ -53,6 +53,7 @@ __all__ = [
     "check_divisible",
     "data_sharding",
     "replicated_sharding",
+    "without_data",
     "host_local_to_global",
 ]
 
@@ -230,6 +231,18 @@ def data_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def without_data(spec: PartitionSpec, ndim: int) -> tuple:
+    """`spec` of an `ndim`-D array with `data` removed, one entry per dimension (None:
+    whole): its layout over the other mesh axes, e.g. inside a region manual over `data`."""
+    entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    out = []
+    for e in entries:
+        kept = tuple(a for a in (e if isinstance(e, tuple) else (e,))
+                     if a is not None and a != DATA)
+        out.append(kept[0] if len(kept) == 1 else (kept or None))
+    return tuple(out)
 
 
 def host_local_to_global(

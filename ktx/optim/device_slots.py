@@ -120,6 +120,7 @@ def per_device_task_gradients(
     slots: int,
     scatter_dims: Sequence[int | None] | None = None,
     split: Sequence[bool] | None = None,
+    layouts: Sequence[tuple | None] | None = None,
     dtype: Any = None,
 ) -> tuple[jax.Array, Any, Any]:
     """`(sums [T], aux, grads)`: the batch's per-task loss sums and aux sums, and the
@@ -135,7 +136,12 @@ def per_device_task_gradients(
     `parameter_partitioning_dims=2`): it enters the region as each device's shard and is
     gathered where it is used, a scanned stack's layer at a time (`ktx.param_gather`),
     its per-task gradient shards made in the gather's backward pass. Needs `slots == 1`
-    (one task's rows on each device: `ktx.data.mixing.Mixing.block_rows`)."""
+    (one task's rows on each device: `ktx.data.mixing.Mixing.block_rows`).
+
+    `layouts[i]`: with `split`, leaf i's mesh axes other than `data`, one entry per
+    dimension (its `PartitionSpec` with `data` removed), which the gathered parameter and
+    its gradients keep inside the region (`ktx.param_gather.SplitParam`); None: XLA's
+    partitioner chooses, and may gather a `model`-split table whole."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or DATA not in mesh.axis_names:
         raise ValueError("method='devices' needs a mesh with a 'data' axis (jax.set_mesh)")
@@ -167,8 +173,12 @@ def per_device_task_gradients(
                 f"method='devices' with parameters split over data needs one task's rows on "
                 f"each device (slots=1, got {slots}): rows in blocks of batch / data "
                 f"(--gin.mixing.Mixing.block_rows), or parameter_partitioning_dims=1")
+        if layouts is None:
+            layouts = [None] * len(leaves)
+        if len(layouts) != len(leaves):
+            raise ValueError(f"layouts has {len(layouts)} entries for {len(leaves)} parameters")
         return _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks,
-                                     scatter_dims, split, rules, dtype)
+                                     scatter_dims, split, layouts, rules, dtype)
 
     def local(p, b, norm):
         with nn.logical_axis_rules(rules):
@@ -210,7 +220,7 @@ def _spec(k: int | None, ndim: int, lead: int = 0) -> PartitionSpec:
 
 
 def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, scatter_dims,
-                          split, rules, dtype=None):
+                          split, layouts, rules, dtype=None):
     """`per_device_task_gradients` with some parameters split over `data` (`split`), one
     task on each device: one forward and one backward pass per device, whose split
     parameters are gathered where used (`ktx.param_gather`)."""
@@ -232,16 +242,18 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
         (task,) = jnp.nonzero(present, size=1, fill_value=num_tasks)
         tasks = jax.lax.all_gather(task, DATA, tiled=True)  # [data]
         whole = [x for x, s in zip(p_leaves, split) if not s]
-        accs = [param_gather.split_param(x, k, num_tasks, int(st), dtype).acc
-                for x, k, s, st in zip(p_leaves, scatter_dims, split, stacked) if s]
+        accs = [param_gather.split_param(x, k, num_tasks, int(st), dtype, lay).acc
+                for x, k, s, st, lay in zip(p_leaves, scatter_dims, split, stacked, layouts)
+                if s]
 
         def loss(whole, accs):
             it_w, it_a, out = iter(whole), iter(accs), []
-            for x, k, s, st in zip(p_leaves, scatter_dims, split, stacked):
+            for x, k, s, st, lay in zip(p_leaves, scatter_dims, split, stacked, layouts):
                 if not s:
                     out.append(next(it_w))
                     continue
-                node = param_gather.SplitParam(x, next(it_a), k - x.ndim)
+                node = param_gather.SplitParam(x, next(it_a), k - x.ndim,
+                                               None if lay is None else tuple(lay))
                 out.append(node if st else param_gather.gather(node))
             return loss_sums_fn(treedef.unflatten(out), b)
 

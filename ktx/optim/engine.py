@@ -398,6 +398,7 @@ def compute_task_gradients(
     slots: int | None = None,
     scatter_dims: Sequence[int | None] | None = None,
     split: Sequence[bool] | None = None,
+    layouts: Sequence[tuple | None] | None = None,
     dtype: Any = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], TaskGradients]:
     """Per-task losses and gradients (call inside `jax.jit`).
@@ -426,6 +427,9 @@ def compute_task_gradients(
       split: `method="devices"`, `slots=1`: per parameter leaf, whether it is split over
         `data` along its scatter dimension; such parameters enter the per-device region
         as shards and are gathered where used (`ktx.param_gather`). None: all whole.
+      layouts: with `split`: per parameter leaf, its mesh axes other than `data` (its
+        `PartitionSpec` without `data`, one entry per dimension), kept by the gathered
+        parameter and its gradients (None: XLA's partitioner chooses).
       shared: which parameters keep a task axis (see `ktx.optim.selection.shared_mask`).
       sparse_tables: regexes selecting `nn.Embed` tables (e.g. `r"_embedding/embedding$"`)
         whose per-task gradients are kept as `SparseRows` (see `ktx.optim.sparse`);
@@ -463,7 +467,7 @@ def compute_task_gradients(
             _check_slots(batch["task_id"], slots)
         sums, aux, grads = per_device_task_gradients(
             loss_sums_fn, normalizer, params, batch, num_tasks=num_tasks, slots=slots,
-            scatter_dims=scatter_dims, split=split, dtype=dtype)
+            scatter_dims=scatter_dims, split=split, layouts=layouts, dtype=dtype)
         return sums / normalizer, aux, split_shared(grads, params, shared)
     if method == "blocks":
         if task_counts is None and task_capacity is None:

@@ -360,6 +360,13 @@ class Trainer:
             out.append(partitioning.DATA in (entry if isinstance(entry, tuple) else (entry,)))
         return tuple(out)
 
+    def _split_layouts(self) -> tuple[tuple, ...]:
+        """Per parameter leaf, its layout over the mesh's axes other than `data`, which a
+        parameter gathered over `data` keeps in the per-device region."""
+        return tuple(partitioning.without_data(sh.spec, leaf.ndim) for leaf, sh in zip(
+            jax.tree.leaves(self.abstract_state.params),
+            jax.tree.leaves(self.state_shardings.params)))
+
     def _scatter_dims(self) -> tuple[int | None, ...]:
         """Per parameter leaf, the dimension its per-task gradients are split over `data`
         along: the one the parameter itself is split over `data` along
@@ -483,7 +490,8 @@ class Trainer:
                 split = self._split_params() if task_capacity[1] == 1 else ()
                 fields = dict(task_capacity=None, device_slots=task_capacity[1],
                               scatter_dims=self._scatter_dims(),
-                              split_params=split if any(split) else None)
+                              split_params=split if any(split) else None,
+                              split_layouts=self._split_layouts() if any(split) else None)
             else:
                 fields = dict(task_capacity=task_capacity)
             options = dataclasses.replace(self.options, **fields, check_layout=False,

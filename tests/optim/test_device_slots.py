@@ -8,6 +8,8 @@ update, with 1-D and 2-D parameter partitioning.
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -225,8 +227,11 @@ def test_parameters_split_over_data_are_gathered_layer_by_layer():
             nn.get_partition_spec(boxed), mesh, rules))
         dims, split = _split_dims(placed, mesh)
         assert sum(split) > len(split) // 2  # the kernels and embeddings
+        layouts = [partitioning.without_data(x.sharding.spec, x.ndim)
+                   for x in jax.tree.leaves(placed)]
         fn = jax.jit(lambda p, b: per_device_task_gradients(
-            loss_sums, norm, p, b, num_tasks=4, slots=1, scatter_dims=dims, split=split))
+            loss_sums, norm, p, b, num_tasks=4, slots=1, scatter_dims=dims, split=split,
+            layouts=layouts))
         sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(partitioning.DATA)))
         sums, _, got = fn(placed, sharded)
         hlo = fn.lower(placed, sharded).compile().as_text()
@@ -243,6 +248,14 @@ def test_parameters_split_over_data_are_gathered_layer_by_layer():
     gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
     assert any("encoder/while/body" in line for line in gathers)
     assert any("decoder/while/body" in line for line in gathers)
+    # Gathered over `data` only: the token table [vocab 64 / model, embed 16] and one of
+    # the two heads of each attention kernel [L, embed 16, heads / model, 8]; never the
+    # whole table or a layer's every head (XLA gathers over `model` too without layouts).
+    table = placed["token_embedder"]["embedding"]
+    assert table.sharding.spec == PartitionSpec(partitioning.MODEL, partitioning.DATA)
+    assert " f32[64,16]" not in hlo and any(" f32[32,16]" in line for line in gathers)
+    assert not any(re.search(r" f32\[(\d+,)?16,2,8\]", line) for line in gathers)
+    assert any(re.search(r" f32\[(\d+,)?16,1,8\]", line) for line in gathers)
 
 
 def test_split_parameters_through_the_trainer_update_as_on_one_device():
