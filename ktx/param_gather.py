@@ -68,27 +68,33 @@ class SplitParam:
 
 
 def sum_by_task(grads: jax.Array, dim: int | None, tasks: jax.Array, num_tasks: int,
-                dtype: Any = None) -> jax.Array:
+                dtype: Any = None, layout: tuple | None = None) -> jax.Array:
     """Inside a manual `data` region: `grads` `[n, *shape]`, this device's gradients of
     the tasks `tasks` names for every device's n (all devices' `[data * n]`, the task count
     for none), to `[T, *shape]` per-task sums split over `data` along `dim` (an
-    `all_to_all`; None: whole, an `all_gather`), in `dtype` (None: as they are)."""
-    if dim is None:
-        pieces = jax.lax.all_gather(grads, DATA, tiled=True)
-    else:
-        pieces = jax.lax.all_to_all(grads, DATA, split_axis=dim + 1, concat_axis=0, tiled=True)
-    per_task = jax.ops.segment_sum(pieces, tasks, num_segments=num_tasks)
-    return per_task if dtype is None else per_task.astype(dtype)
+    `all_to_all`; None: whole, an `all_gather`), in `dtype` (None: as they are). `layout`:
+    the parameter's mesh axes other than `data` (see `SplitParam`), kept by the exchange."""
+
+    def exchange(g, t):
+        if dim is None:
+            pieces = jax.lax.all_gather(g, DATA, tiled=True)
+        else:
+            pieces = jax.lax.all_to_all(g, DATA, split_axis=dim + 1, concat_axis=0, tiled=True)
+        per_task = jax.ops.segment_sum(pieces, t, num_segments=num_tasks)
+        return per_task if dtype is None else per_task.astype(dtype)
+
+    return _local(exchange, grads, tasks, None if dim is None else dim - (grads.ndim - 1),
+                  layout, 1, 1)
 
 
 def _tail(layout: tuple, ndim: int) -> tuple:
     return tuple(layout[len(layout) - ndim:]) if ndim else ()
 
 
-def _local(fn, x: jax.Array, tasks: jax.Array, axis: int, layout: tuple | None,
+def _local(fn, x: jax.Array, tasks: jax.Array, axis: int | None, layout: tuple | None,
            lead_in: int, lead_out: int) -> jax.Array:
     """`fn(x, tasks)`, a collective over `data` along the parameter's dimension `axis`
-    (counted from the end), run on each device's block of `x` over the mesh's other axes
+    (counted from the end; None: none), run on each device's block of `x` over the mesh's other axes
     as `layout` lays out its last dimensions (the first `lead_in` whole; the output's
     first `lead_out`). Inside a region manual over `data` only, XLA's partitioner makes
     a collective's operand whole over the other axes first: every layer, table and
@@ -98,7 +104,7 @@ def _local(fn, x: jax.Array, tasks: jax.Array, axis: int, layout: tuple | None,
     ndim = x.ndim - lead_in
     tail = _tail(layout, ndim) if layout is not None else ()
     names = {a for e in tail if e is not None for a in (e if isinstance(e, tuple) else (e,))}
-    if not names or tail[axis] is not None:
+    if not names or (axis is not None and tail[axis] is not None):
         return fn(x, tasks)
     return jax.shard_map(
         fn, mesh=jax.sharding.get_abstract_mesh(),
@@ -124,9 +130,7 @@ def _gather_fwd(shard, acc, tasks, axis, num_tasks, layout):
 def _gather_bwd(axis, num_tasks, layout, res, ct):
     # ct: this device's gradient of the whole parameter (its rows' task).
     tasks, acc_dtype = res[0], res[1].dtype
-    per_task = _local(lambda g, t: sum_by_task(g, axis, t, num_tasks, acc_dtype),
-                      ct[None], tasks, axis - ct.ndim, layout, 1, 1)
-    return None, per_task, None
+    return None, sum_by_task(ct[None], axis, tasks, num_tasks, acc_dtype, layout), None
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

@@ -138,10 +138,11 @@ def per_device_task_gradients(
     its per-task gradient shards made in the gather's backward pass. Needs `slots == 1`
     (one task's rows on each device: `ktx.data.mixing.Mixing.block_rows`).
 
-    `layouts[i]`: with `split`, leaf i's mesh axes other than `data`, one entry per
-    dimension (its `PartitionSpec` with `data` removed), which the gathered parameter and
-    its gradients keep inside the region (`ktx.param_gather.SplitParam`); None: XLA's
-    partitioner chooses, and may gather a `model`-split table whole."""
+    `layouts[i]`: leaf i's mesh axes other than `data`, one entry per dimension (its
+    `PartitionSpec` with `data` removed), which a gathered parameter, its gradients and
+    their exchange keep inside the region (`ktx.param_gather.SplitParam`); None: XLA's
+    partitioner makes every collective's operand whole over `model` (a whole token
+    table, every head of a layer)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or DATA not in mesh.axis_names:
         raise ValueError("method='devices' needs a mesh with a 'data' axis (jax.set_mesh)")
@@ -162,6 +163,10 @@ def per_device_task_gradients(
         raise ValueError(f"method='devices': the batch's {rows} rows must split evenly over "
                          f"data={ways} devices")
     rules = _rules_without_data()
+    layouts = [None] * len(leaves) if layouts is None else [
+        None if lay is None else tuple(lay) for lay in layouts]
+    if len(layouts) != len(leaves):
+        raise ValueError(f"layouts has {len(layouts)} entries for {len(leaves)} parameters")
     split = [False] * len(leaves) if split is None else list(split)
     if len(split) != len(leaves):
         raise ValueError(f"split has {len(split)} entries for {len(leaves)} parameters")
@@ -173,10 +178,6 @@ def per_device_task_gradients(
                 f"method='devices' with parameters split over data needs one task's rows on "
                 f"each device (slots=1, got {slots}): rows in blocks of batch / data "
                 f"(--gin.mixing.Mixing.block_rows), or parameter_partitioning_dims=1")
-        if layouts is None:
-            layouts = [None] * len(leaves)
-        if len(layouts) != len(leaves):
-            raise ValueError(f"layouts has {len(layouts)} entries for {len(leaves)} parameters")
         return _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks,
                                      scatter_dims, split, layouts, rules, dtype)
 
@@ -189,8 +190,8 @@ def per_device_task_gradients(
             cot = jax.nn.one_hot(tasks, num_tasks, dtype=sums.dtype) / norm.astype(sums.dtype)
             grads = jax.vmap(lambda c: vjp_fn(c)[0])(cot)  # [slots, *shape] per leaf
         all_tasks = jax.lax.all_gather(tasks, DATA, tiled=True)  # [data * slots]
-        out = [param_gather.sum_by_task(g, k, all_tasks, num_tasks, dtype)
-               for g, k in zip(jax.tree.leaves(grads), scatter_dims)]
+        out = [param_gather.sum_by_task(g, k, all_tasks, num_tasks, dtype, lay)
+               for g, k, lay in zip(jax.tree.leaves(grads), scatter_dims, layouts)]
         sums = jax.lax.psum(sums, DATA)
         aux = jax.tree.map(lambda a: jax.lax.psum(a, DATA), aux)
         return sums, aux, treedef.unflatten(out)
@@ -252,8 +253,7 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
                 if not s:
                     out.append(next(it_w))
                     continue
-                node = param_gather.SplitParam(x, next(it_a), k - x.ndim,
-                                               None if lay is None else tuple(lay))
+                node = param_gather.SplitParam(x, next(it_a), k - x.ndim, lay)
                 out.append(node if st else param_gather.gather(node))
             return loss_sums_fn(treedef.unflatten(out), b)
 
@@ -262,12 +262,13 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
             cot = jax.nn.one_hot(task[0], num_tasks, dtype=sums.dtype) / norm.astype(sums.dtype)
             g_whole, g_accs = vjp_fn(cot)
         it_w, it_a, out = iter(g_whole), iter(g_accs), []
-        for k, s, st in zip(scatter_dims, split, stacked):
+        for k, s, st, lay in zip(scatter_dims, split, stacked, layouts):
             if s:
                 g = next(it_a)  # [T, *shard], or [L, T, *shard] for a scanned stack's
                 out.append(jnp.moveaxis(g, 1, 0) if st else g)
                 continue
-            out.append(param_gather.sum_by_task(next(it_w)[None], k, tasks, num_tasks, dtype))
+            out.append(param_gather.sum_by_task(next(it_w)[None], k, tasks, num_tasks, dtype,
+                                                lay))
         sums = jax.lax.psum(sums, DATA)
         aux = jax.tree.map(lambda a: jax.lax.psum(a, DATA), aux)
         return sums, aux, treedef.unflatten(out)

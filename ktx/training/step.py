@@ -104,11 +104,11 @@ class StepOptions:
         is split over `data` along its scatter dimension (`parameter_partitioning_dims=2`):
         it enters the per-device region as a shard and is gathered where used, a scanned
         stack's layer at a time (`ktx.param_gather`). None: every parameter enters whole.
-      split_layouts: with `split_params`: per parameter leaf, its mesh axes other than
+      param_layouts: with `device_slots`: per parameter leaf, its mesh axes other than
         `data`, one entry per dimension (its `PartitionSpec` without `data`), which a
-        gathered parameter and its gradients keep inside the region; the `Trainer` reads
-        them from the parameters' shardings. None: XLA's partitioner chooses (it may
-        gather a `model`-split table over `model` too).
+        gathered parameter, its gradients and their exchange keep inside the per-device
+        region; the `Trainer` reads them from the parameters' shardings. None: XLA's
+        partitioner makes those collectives' operands whole over `model`.
       task_grad_dtype: balanced path: "bfloat16" holds the per-task gradients in bfloat16,
         half the memory of float32 parameters' (device by device they are made in it,
         `compute_task_gradients(dtype=)`); the balancer reads them as float32. None: the
@@ -155,7 +155,7 @@ class StepOptions:
     device_slots: int | None = None
     scatter_dims: tuple[int | None, ...] | None = None
     split_params: tuple[bool, ...] | None = None
-    split_layouts: tuple[tuple | None, ...] | None = None
+    param_layouts: tuple[tuple | None, ...] | None = None
     task_grad_dtype: str | None = None
     check_layout: bool = True
     regroup_by_task: bool = False
@@ -392,7 +392,7 @@ def train_step(
                         loss_sums, normalizer, params, mb, num_tasks=num_tasks,
                         shared=options.shared, method="devices", slots=options.device_slots,
                         scatter_dims=options.scatter_dims, split=options.split_params,
-                        layouts=options.split_layouts,
+                        layouts=options.param_layouts,
                         check_layout=options.check_layout, dtype=options.task_grad_dtype)
                 return optim.compute_task_gradients(
                     loss_sums, normalizer, params, mb,

@@ -360,9 +360,9 @@ class Trainer:
             out.append(partitioning.DATA in (entry if isinstance(entry, tuple) else (entry,)))
         return tuple(out)
 
-    def _split_layouts(self) -> tuple[tuple, ...]:
-        """Per parameter leaf, its layout over the mesh's axes other than `data`, which a
-        parameter gathered over `data` keeps in the per-device region."""
+    def _param_layouts(self) -> tuple[tuple, ...]:
+        """Per parameter leaf, its layout over the mesh's axes other than `data`, which its
+        gathers and gradient exchanges keep in the per-device region."""
         return tuple(partitioning.without_data(sh.spec, leaf.ndim) for leaf, sh in zip(
             jax.tree.leaves(self.abstract_state.params),
             jax.tree.leaves(self.state_shardings.params)))
@@ -491,7 +491,7 @@ class Trainer:
                 fields = dict(task_capacity=None, device_slots=task_capacity[1],
                               scatter_dims=self._scatter_dims(),
                               split_params=split if any(split) else None,
-                              split_layouts=self._split_layouts() if any(split) else None)
+                              param_layouts=self._param_layouts())
             else:
                 fields = dict(task_capacity=task_capacity)
             options = dataclasses.replace(self.options, **fields, check_layout=False,
