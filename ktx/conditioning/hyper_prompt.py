@@ -170,9 +170,11 @@ class HyperPrompt(nn.Module):
         out = {}
         flat = layer_task.reshape(M * T, t)
         for which in ("key", "value"):
-            # H_k / H_v: the generators of D (t -> d*b) and U (t -> b*H*Dh). Written as
-            # 2-D matmuls ([M*T, t] @ [t, d*b]): XLA:CPU runs these far faster than the
-            # equivalent batched einsums.
+            # H_k / H_v: the generators of D (t -> d*b) and U (t -> b*H*Dh): one matmul
+            # each over [M*T, t] (no batch dimensions: XLA:CPU runs batched einsums far
+            # slower), keeping the generators' own dimensions, so that a generator split
+            # over `model` (heads) gives weights split the same way, not a flattened
+            # b*H*Dh axis that must be gathered whole before it is reshaped.
             gen_down = self._param(
                 f"{which}_down_generator", _init(0, (1, 2)), (t, d, b),
                 (P.TASK_EMBED, P.EMBED, P.HYPER_BOTTLENECK),
@@ -182,8 +184,8 @@ class HyperPrompt(nn.Module):
                 (P.TASK_EMBED, P.HYPER_BOTTLENECK, P.HEADS, P.KV),
             )
             # Generated weights get the fan-in scale of a local hypernetwork.
-            down = flat @ gen_down.reshape(t, d * b).astype(self.dtype)
-            up = flat @ gen_up.reshape(t, b * H * Dh).astype(self.dtype)
+            down = jnp.einsum("nt,tdb->ndb", flat, gen_down.astype(self.dtype))
+            up = jnp.einsum("nt,tbhk->nbhk", flat, gen_up.astype(self.dtype))
             out[f"{which}_down"] = down.reshape(M, T, d, b) * (d ** -0.5)
             out[f"{which}_up"] = up.reshape(M, T, b, H, Dh) * (b ** -0.5)
         return out
