@@ -23,6 +23,12 @@ the parameter shard. This cotangent is returned for the `SplitParam`'s accumulat
 of that shape, never read), so the vector-Jacobian product of the loss with respect to
 the accumulators is the per-task gradients, split over `data` as the parameters are.
 Per layer it moves what the plain step's gradient reduce-scatter moves.
+
+The region is manual over `data` only, and XLA's partitioner makes the operand of a
+collective over `data` whole over the mesh's other axes first. So each gather and each
+exchange runs in a nested `shard_map` manual over the parameter's own axes other than
+`data` (`SplitParam.layout`, from its `PartitionSpec`): a layer split over `model` is
+gathered over `data` only, and its per-task gradient shards stay split over `model`.
 """
 
 from __future__ import annotations
@@ -94,9 +100,9 @@ def _tail(layout: tuple, ndim: int) -> tuple:
 def _local(fn, x: jax.Array, tasks: jax.Array, axis: int | None, layout: tuple | None,
            lead_in: int, lead_out: int) -> jax.Array:
     """`fn(x, tasks)`, a collective over `data` along the parameter's dimension `axis`
-    (counted from the end; None: none), run on each device's block of `x` over the mesh's other axes
-    as `layout` lays out its last dimensions (the first `lead_in` whole; the output's
-    first `lead_out`). Inside a region manual over `data` only, XLA's partitioner makes
+    (counted from the end; None: none), run on each device's block of `x` over the mesh's
+    other axes as `layout` lays out its last dimensions (the first `lead_in` whole; the
+    output's first `lead_out`). Inside a region manual over `data` only, XLA's partitioner makes
     a collective's operand whole over the other axes first: every layer, table and
     gradient gathered over `model` as well. A nested `shard_map` manual over the layout's
     axes keeps them split. Without a layout, or where another axis shares the collective's

@@ -427,9 +427,10 @@ def compute_task_gradients(
       split: `method="devices"`, `slots=1`: per parameter leaf, whether it is split over
         `data` along its scatter dimension; such parameters enter the per-device region
         as shards and are gathered where used (`ktx.param_gather`). None: all whole.
-      layouts: with `split`: per parameter leaf, its mesh axes other than `data` (its
-        `PartitionSpec` without `data`, one entry per dimension), kept by the gathered
-        parameter and its gradients (None: XLA's partitioner chooses).
+      layouts: `method="devices"`: per parameter leaf, its mesh axes other than `data`
+        (its `PartitionSpec` without `data`, one entry per dimension), kept by a gathered
+        parameter, its gradients and their exchange (None: XLA's partitioner makes those
+        collectives' operands whole over `model`).
       shared: which parameters keep a task axis (see `ktx.optim.selection.shared_mask`).
       sparse_tables: regexes selecting `nn.Embed` tables (e.g. `r"_embedding/embedding$"`)
         whose per-task gradients are kept as `SparseRows` (see `ktx.optim.sparse`);
