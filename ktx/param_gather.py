@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ktx.partitioning import DATA
+from ktx.partitioning import DATA, entry_axes
 
 __all__ = ["SplitParam", "gather", "gather_layer_params", "gathering", "recording",
            "split_param", "stack_hook", "sum_by_task"]
@@ -93,23 +93,16 @@ def sum_by_task(grads: jax.Array, dim: int | None, tasks: jax.Array, num_tasks: 
                   layout, 1, 1)
 
 
-def _tail(layout: tuple, ndim: int) -> tuple:
-    return tuple(layout[len(layout) - ndim:]) if ndim else ()
-
-
 def _local(fn, x: jax.Array, tasks: jax.Array, axis: int | None, layout: tuple | None,
            lead_in: int, lead_out: int) -> jax.Array:
     """`fn(x, tasks)`, a collective over `data` along the parameter's dimension `axis`
-    (counted from the end; None: none), run on each device's block of `x` over the mesh's
-    other axes as `layout` lays out its last dimensions (the first `lead_in` whole; the
-    output's first `lead_out`). Inside a region manual over `data` only, XLA's partitioner makes
-    a collective's operand whole over the other axes first: every layer, table and
-    gradient gathered over `model` as well. A nested `shard_map` manual over the layout's
-    axes keeps them split. Without a layout, or where another axis shares the collective's
-    dimension, `fn` runs on `x` as it is."""
+    (counted from the end; None: none), in a nested `shard_map` manual over the axes that
+    `layout` gives `x`'s last dimensions (its first `lead_in` whole; the output's first
+    `lead_out`): see the module docstring. Without a layout, or where another axis shares
+    the collective's dimension, `fn` runs on `x` as it is."""
     ndim = x.ndim - lead_in
-    tail = _tail(layout, ndim) if layout is not None else ()
-    names = {a for e in tail if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+    tail = () if layout is None else tuple(layout[len(layout) - ndim:])
+    names = {a for e in tail for a in entry_axes(e)}
     if not names or (axis is not None and tail[axis] is not None):
         return fn(x, tasks)
     return jax.shard_map(

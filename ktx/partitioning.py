@@ -53,6 +53,7 @@ __all__ = [
     "check_divisible",
     "data_sharding",
     "replicated_sharding",
+    "entry_axes",
     "without_data",
     "host_local_to_global",
 ]
@@ -233,14 +234,21 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def entry_axes(entry: Any) -> tuple:
+    """The mesh axes of one `PartitionSpec` entry: None -> (), "model" -> ("model",),
+    ("data", "model") as it is."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def without_data(spec: PartitionSpec, ndim: int) -> tuple:
     """`spec` of an `ndim`-D array with `data` removed, one entry per dimension (None:
     whole): its layout over the other mesh axes, e.g. inside a region manual over `data`."""
     entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
     out = []
     for e in entries:
-        kept = tuple(a for a in (e if isinstance(e, tuple) else (e,))
-                     if a is not None and a != DATA)
+        kept = tuple(a for a in entry_axes(e) if a != DATA)
         out.append(kept[0] if len(kept) == 1 else (kept or None))
     return tuple(out)
 

@@ -357,7 +357,7 @@ class Trainer:
         for sh, k in zip(jax.tree.leaves(self.state_shardings.params), self._scatter_dims()):
             spec = tuple(sh.spec)
             entry = spec[k] if k is not None and k < len(spec) else None
-            out.append(partitioning.DATA in (entry if isinstance(entry, tuple) else (entry,)))
+            out.append(partitioning.DATA in partitioning.entry_axes(entry))
         return tuple(out)
 
     def _param_layouts(self) -> tuple[tuple, ...]:
@@ -379,12 +379,9 @@ class Trainer:
         for leaf, sh in zip(jax.tree.leaves(self.abstract_state.params),
                             jax.tree.leaves(self.state_shardings.params)):
             spec = tuple(sh.spec) + (None,) * (leaf.ndim - len(tuple(sh.spec)))
-
-            def names(entry):
-                return entry if isinstance(entry, tuple) else (entry,)
-
-            on_data = [k for k, e in enumerate(spec) if partitioning.DATA in names(e)]
-            on_model = [k for k, e in enumerate(spec) if partitioning.MODEL in names(e)]
+            axes = [partitioning.entry_axes(e) for e in spec]
+            on_data = [k for k, a in enumerate(axes) if partitioning.DATA in a]
+            on_model = [k for k, a in enumerate(axes) if partitioning.MODEL in a]
             if on_data and not set(on_data) & set(on_model):
                 out.append(on_data[0])
             else:
