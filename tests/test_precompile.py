@@ -31,7 +31,7 @@ def _clear_gin():
 
 def _model(num_tasks=4):
     cfg = t5.T5Config(vocab_size=384, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,
-                      num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.1)
+                      num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
     return seq2seq.EncoderDecoderModel(cfg, num_tasks=num_tasks)
 
 

@@ -233,7 +233,7 @@ def test_train_writes_outputs_and_resumes(tmp_path):
     kwargs = dict(
         model=ToyModel(), train_input=ToyInput(), model_dir=tmp_path, optimizer=optax.adam(1e-2),
         schedule=optimizers.constant_schedule(1e-2), log_period=2, checkpoint_period=2,
-        eval_period=4, evaluators=[TeacherForcedEvaluator(batch_size=8)],
+        eval_period=4, evaluators=[TeacherForcedEvaluator(batch_size=8)], norm_metrics=True,
     )
     state4 = train(train_steps=4, **kwargs)
     records = read_metrics(tmp_path)
@@ -302,7 +302,7 @@ def test_balanced_path_metabalance_with_microbatches():
     optim = pytest.importorskip("ktx.optim")
     inp = ToyInput()
     tr = trainer_lib.Trainer(ToyModel(), optax.adam(1e-2), balancer=optim.metabalance(num_tasks=2),
-                             num_microbatches=2)
+                             num_microbatches=2, norm_metrics=True)
     state = tr.init_state(jax.random.key(0), inp.get_batch(0))
     shapes = jax.tree.map(lambda x: x.shape, state.opt_state)
     for step in range(2):

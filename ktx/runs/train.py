@@ -198,7 +198,7 @@ def train(
     log_diagnostics: bool = True,
     weights_from_losses: bool = True,
     task_grad_dtype: str | None = None,
-    norm_metrics: bool = True,
+    norm_metrics: bool = False,
     seed: int = 0,
     log_period: int = 100,
     checkpoint_period: int | str = 1000,
@@ -248,9 +248,9 @@ def train(
       task_grad_dtype: balanced runs: "bfloat16" holds the per-task gradients in bfloat16
         (`StepOptions.task_grad_dtype`), for a model whose T gradient shards do not fit
         in float32; None: the parameters' dtype.
-      norm_metrics: report `grad_norm`, `update_norm` and `param_norm` (three passes over
-        the parameters every step; False for a small model whose step they slow, as the
-        recommendation model's: `runs/recsys_train.gin`).
+      norm_metrics: also report `grad_norm`, `update_norm` and `param_norm` in every log
+        line (`--gin.train_script.train.norm_metrics=True`); off by default, as in T5X:
+        they read the gradient, the update and the parameters again every step.
       seed: parameter init and dropout keys.
       log_period: steps between metric fetches / NaN checks / progress lines.
       checkpoint_period, keep_checkpoints: save cadence (steps, or "epoch" for an input

@@ -131,8 +131,10 @@ class StepOptions:
         cond. A cond costs its steps: on XLA:CPU a recommendation step with MetaBalance
         took 1.14x the plain step with the diagnostics in a cond, 0.95x without.
       target_task: the task the diagnostics' cosines are taken against.
-      norm_metrics: report `grad_norm`, `update_norm` and `param_norm` (three passes over
-        the parameters; off for the recommendation study's many small steps).
+      norm_metrics: also report `grad_norm`, `update_norm` and `param_norm`. Off by
+        default, as T5X's weight metrics are (`weight_metrics_computer=None`): they read
+        the gradient, the update and the new parameters again every step (at
+        T5.1.1-Small on XLA:CPU 2.2 GB of the step's 12.7, `docs/performance.md`).
       uncertainty_rows: MT-uncertainty sampling (`ktx.training.mt_uncertainty`): the
         batch holds candidates, the step trains on the `uncertainty_rows` rows its
         current parameters are least certain of (0: off, train on every row). The
@@ -162,7 +164,7 @@ class StepOptions:
     diagnostics_period: int = 1
     log_diagnostics: bool | None = None
     target_task: int = 0
-    norm_metrics: bool = True
+    norm_metrics: bool = False
     uncertainty_rows: int = 0
     uncertainty_proxies: tuple[tuple[int, int], ...] | None = None
     weights_from_losses: bool = True

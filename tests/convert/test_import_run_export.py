@@ -43,6 +43,7 @@ def _train(run: str, initial: str, model_gin: str) -> list[str]:
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
         "--gin.TRAIN_STEPS=3", "--gin.BATCH_SIZE=8",
         "--gin.train_script.train.log_period=1", "--gin.train_script.train.checkpoint_period=3",
+        "--gin.train_script.train.norm_metrics=True",
         "--gin.optimizers.rsqrt_schedule.warmup_steps=100",
     ]
 
