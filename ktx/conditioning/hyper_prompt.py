@@ -27,7 +27,9 @@ form of He et al., 2022; `ktx.analysis.params.hyperprompt_global_closed_form`).
 
 `__call__()` returns the key and value prompts of every layer and task,
 `[M, T, l, heads, head_dim]` each: computed once per task per step, then gathered per
-example by `task_id` (`gather_prompts`).
+example by `task_id` (`gather_prompts`). `__call__(tasks=ids)` computes them for the
+tasks `ids` `[S]` only, `[M, S, ...]` (a batch known to hold at most S tasks: a device's
+rows in a balanced step's per-device region, `ktx.models.base.BaseModel.for_batch_tasks`).
 """
 
 from __future__ import annotations
@@ -116,8 +118,11 @@ class HyperPrompt(nn.Module):
             name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype
         )
 
-    def _local_weights(self, which: str, layers: slice) -> tuple[jax.Array, jax.Array]:
-        """Down `[M', T|1, d, b]` and up `[M', T|1, b, H, Dh]` of the layers `layers`."""
+    def _local_weights(
+        self, which: str, layers: slice, tasks: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Down `[M', T|1, d, b]` and up `[M', T|1, b, H, Dh]` of the layers `layers`
+        (`[M', S, ...]` for the tasks `tasks` `[S]` of "sep")."""
         M, T, d, b = self.num_layers, self.num_tasks, self.emb_dim, self.bottleneck_dim
         H, Dh = self.num_heads, self.head_dim
         if self.variant == "share":
@@ -144,15 +149,21 @@ class HyperPrompt(nn.Module):
                 (M, T, b, H, Dh),
                 (P.LAYERS, P.TASKS, P.HYPER_BOTTLENECK, P.HEADS, P.KV),
             )
-            return down[layers], up[layers]
+            if tasks is None:
+                return down[layers], up[layers]
+            return down[layers][:, tasks], up[layers][:, tasks]
         raise AssertionError(self.variant)
 
-    def _global_weights(self, layers: slice) -> dict[str, jax.Array]:
-        """Local hypernetwork weights generated per (layer, task) by `H_k`, `H_v`."""
+    def _global_weights(self, layers: slice, tasks: jax.Array | None) -> dict[str, jax.Array]:
+        """Local hypernetwork weights generated per (layer, task) by `H_k`, `H_v` (the
+        tasks `tasks` `[S]` only, when given)."""
         M, T, d, b = self.num_layers, self.num_tasks, self.emb_dim, self.bottleneck_dim
         H, Dh, t = self.num_heads, self.head_dim, self.layer_task_dim
         k_task = TaskEmbedding(T, self.task_embed_dim, param_dtype=self.param_dtype,
                                name="task_embedding")()  # [T, t']
+        if tasks is not None:
+            k_task = k_task[tasks]  # [S, t']
+            T = k_task.shape[0]
         z_layer = LayerEmbedding(M, self.task_embed_dim, param_dtype=self.param_dtype,
                                  name="layer_embedding")()[layers]  # [M', t']
         M = z_layer.shape[0]
@@ -191,11 +202,15 @@ class HyperPrompt(nn.Module):
         return out
 
     @nn.compact
-    def __call__(self, layer: int | None = None) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, layer: int | None = None, tasks: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """Returns `(key_prompts, value_prompts)`, each `[M, T, l, heads, head_dim]`.
 
         With `layer` (a Python int), only that layer's prompts, `[T, l, heads, head_dim]`
-        each (what one self-attention layer needs; every task computed once).
+        each (what one self-attention layer needs; every task computed once). With `tasks`
+        (`[S]` task ids), the prompts of those tasks only, `S` in place of `T`: equal to
+        the rows `tasks` of the whole result, at the cost of S tasks.
         """
         self._check()
         if layer is not None and not (isinstance(layer, int) and 0 <= layer < self.num_layers):
@@ -209,12 +224,14 @@ class HyperPrompt(nn.Module):
             (self.num_tasks, self.prompt_length, self.emb_dim),
             (P.TASKS, P.PROMPT_LENGTH, P.EMBED),
         ).astype(self.dtype)  # [T, l, d]
+        if tasks is not None:
+            prompts = prompts[tasks]  # [S, l, d]
         if self.variant == "global":
-            weights = self._global_weights(layers)
+            weights = self._global_weights(layers, tasks)
         else:
             weights = {}
             for which in ("key", "value"):
-                down, up = self._local_weights(which, layers)
+                down, up = self._local_weights(which, layers, tasks)
                 weights[f"{which}_down"] = down
                 weights[f"{which}_up"] = up
         results = []

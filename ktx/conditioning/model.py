@@ -40,12 +40,14 @@ handed to `ktx.training.optimizers.freeze` also gives them no optimizer update a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from ktx import treepath
 from ktx.conditioning.adapters import (
@@ -177,6 +179,9 @@ class Conditioner(nn.Module):
     conditioning: ConditioningConfig
     config: t5.T5Config
     num_tasks: int
+    # At most this many distinct tasks among a batch's rows (None: any number): the
+    # hyper-prompts are then computed for the batch's tasks only (`batch_tasks`).
+    batch_tasks: int | None = None
 
     def setup(self):
         c, cfg, T = self.conditioning, self.config, self.num_tasks
@@ -226,6 +231,19 @@ class Conditioner(nn.Module):
     def _adapter_module(self, side: str) -> nn.Module | None:
         return self._module(side, "adapters") or self._module(side, "hyperformer")
 
+    def _batch_tasks(self, task_id: jax.Array) -> tuple[jax.Array | None, jax.Array]:
+        """`(tasks [S], index [B])`: the tasks among the rows `task_id` and each row's
+        position in `tasks`, when `batch_tasks` (S) bounds them below T; else
+        `(None, task_id)`. An unused slot repeats a present task."""
+        n = self.batch_tasks
+        if n is None or n >= self.num_tasks:
+            return None, task_id
+        task_id = jnp.asarray(task_id, jnp.int32)
+        present = jnp.bincount(task_id, length=self.num_tasks) > 0
+        (tasks,) = jnp.nonzero(present, size=n, fill_value=task_id[0])
+        index = jnp.argmax(task_id[:, None] == tasks[None, :], axis=1).astype(jnp.int32)
+        return tasks, index
+
     def attention_prefix(
         self, side: str, layer: int, task_id: jax.Array
     ) -> tuple[jax.Array, jax.Array] | None:
@@ -233,8 +251,9 @@ class Conditioner(nn.Module):
         module = self._module(side, "hyper_prompt")
         if module is None:
             return None
-        keys, values = module(layer)  # [T, l, H, D] each
-        return gather_by_task(keys, task_id), gather_by_task(values, task_id)
+        tasks, index = self._batch_tasks(task_id)
+        keys, values = module(layer, tasks=tasks)  # [T | S, l, H, D] each
+        return gather_by_task(keys, index), gather_by_task(values, index)
 
     def input_prompt(self, task_id: jax.Array) -> jax.Array | None:
         """Prompt-Tuning input prompts `[B, l, E]`, or None."""
@@ -251,15 +270,19 @@ class Conditioner(nn.Module):
             weights = module(layer, position)
         return weights.gather(task_id, axis=0)
 
-    def layer_inputs(self, side: str) -> dict[str, Any] | None:
+    def layer_inputs(self, side: str, task_id: jax.Array) -> dict[str, Any] | None:
         """Per-task quantities of every layer of `side` (leading axis `[M]`), for a scanned
-        stack (`T5Config.scan_layers`): `prefix` (key, value) `[M, T, l, H, D]`,
+        stack (`T5Config.scan_layers`): `prefix` (key, value) `[M, T, l, H, D]` (`[M, S,
+        ...]` under `batch_tasks`, with `prefix_index` `[M, B]`, each row's position),
         `adapters` (`AdapterWeights`, lead `[M, A, T]`); None when the method adds none.
         Computed outside the scan, as the unrolled layers compute each slice."""
         out: dict[str, Any] = {}
         prompts = self._module(side, "hyper_prompt")
         if prompts is not None:
-            out["prefix"] = prompts()
+            tasks, index = self._batch_tasks(task_id)
+            out["prefix"] = prompts(tasks=tasks)
+            if tasks is not None:
+                out["prefix_index"] = jnp.broadcast_to(index, (prompts.num_layers,) + index.shape)
         module = self._adapter_module(side)
         if module is not None:
             out["adapters"] = (
@@ -280,7 +303,8 @@ class _ConditionedHooks:
             prefix = layer_inputs.get("prefix")
             if prefix is None:
                 return None
-            return gather_by_task(prefix[0], task_id), gather_by_task(prefix[1], task_id)
+            index = layer_inputs.get("prefix_index", task_id)
+            return gather_by_task(prefix[0], index), gather_by_task(prefix[1], index)
         if self.conditioner is None:
             return None
         return self.conditioner.attention_prefix(self.side, self.layer_index, task_id)
@@ -333,7 +357,8 @@ class _ConditionedStack:
         return {"conditioning": getattr(self.conditioner, "conditioning", None)}
 
     def layer_inputs(self, task_id):
-        return None if self.conditioner is None else self.conditioner.layer_inputs(self.side)
+        return (None if self.conditioner is None
+                else self.conditioner.layer_inputs(self.side, task_id))
 
 
 class ConditionedEncoder(_ConditionedStack, t5.Encoder):
@@ -358,6 +383,7 @@ class ConditionedTransformer(t5.Transformer):
 
     conditioning_config: ConditioningConfig = ConditioningConfig()
     num_tasks: int = 1
+    batch_tasks: int | None = None  # `Conditioner.batch_tasks`
 
     def setup(self):
         cfg = self.config
@@ -372,7 +398,8 @@ class ConditionedTransformer(t5.Transformer):
             raise ValueError(f"ConditionedTransformer.num_tasks={self.num_tasks!r}; accepted: int >= 1")
         self.token_embedder = t5.Embed(cfg.vocab_size, cfg.emb_dim, dtype=cfg.activation_dtype)
         # The attribute name is `ktx.analysis.params.CONDITIONING_SCOPE`: all conditioning params.
-        self.conditioning = Conditioner(self.conditioning_config, cfg, self.num_tasks)
+        self.conditioning = Conditioner(self.conditioning_config, cfg, self.num_tasks,
+                                        batch_tasks=self.batch_tasks)
         self.encoder = ConditionedEncoder(
             config=cfg, shared_embedding=self.token_embedder,
             layer_cls=ConditionedEncoderLayer, conditioner=self.conditioning,
@@ -451,6 +478,18 @@ class ConditionedEncoderDecoderModel(seq2seq.EncoderDecoderModel):
             + f", conditioning={self.module.conditioning_config}, "
             f"train_backbone={self.train_backbone}, train_layer_norms={self.train_layer_norms})"
         )
+
+    def for_batch_tasks(self, n: int) -> "ConditionedEncoderDecoderModel":
+        """This model for batches whose rows hold at most `n` tasks: the hyper-prompts
+        are computed for those tasks only (`Conditioner.batch_tasks`), the same numbers
+        at `n` tasks' cost. A balanced step's per-device region, where a device holds the
+        rows of one or two tasks, uses it."""
+        if (self.module.conditioning_config.method != "hyperprompt"
+                or n >= self.num_tasks or self.module.batch_tasks == n):
+            return self
+        out = copy.copy(self)
+        out.module = self.module.clone(batch_tasks=n)
+        return out
 
     def loss_sums(self, params, batch, rng, train):
         if self.frozen_patterns:

@@ -179,6 +179,14 @@ class BaseModel(abc.ABC):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`([T] loss sums, aux)`: aux maps metric names to `[T]` sums, with `"weight"`."""
 
+    def for_batch_tasks(self, n: int) -> "BaseModel":
+        """This model for batches whose rows hold at most `n` distinct tasks (a device's
+        rows in a balanced step's per-device region): a model that computes a per-task
+        quantity for all T tasks once per batch may compute it for those `n` only, with the
+        same results. The default: the model itself."""
+        del n
+        return self
+
     def init_model_state(self, params: Any) -> Any:
         """The state this model carries from step to step, built from the step-0
         parameters (a pytree of arrays; leaves with a parameter's path suffix and shape

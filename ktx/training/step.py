@@ -383,6 +383,14 @@ def train_step(
         def loss_sums(p, b):
             return model.loss_sums_with_state(p, model_state, b, step_rng, True)
 
+        if blocked and options.device_slots:
+            # A device's rows hold at most `device_slots` tasks: per-task quantities of
+            # the model (hyper-prompts) for those only.
+            device_model = model.for_batch_tasks(options.device_slots)
+
+            def device_loss_sums(p, b):
+                return device_model.loss_sums_with_state(p, model_state, b, step_rng, True)
+
         def per_task_gradients():
             rows = batch
             if options.regroup_by_task and blocked:
@@ -391,7 +399,7 @@ def train_step(
             def task_grads(mb):
                 if blocked and options.device_slots:
                     return optim.compute_task_gradients(
-                        loss_sums, normalizer, params, mb, num_tasks=num_tasks,
+                        device_loss_sums, normalizer, params, mb, num_tasks=num_tasks,
                         shared=options.shared, method="devices", slots=options.device_slots,
                         scatter_dims=options.scatter_dims, split=options.split_params,
                         layouts=options.param_layouts,

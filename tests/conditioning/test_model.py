@@ -244,6 +244,39 @@ def test_count_parameters_matches_closed_form_and_plain_backbone():
     assert "task-conditioned" in kparams.format_report(report, name="tiny")
 
 
+def test_hyper_prompts_for_the_batch_tasks_only_give_the_same_numbers():
+    """`for_batch_tasks(n)` (a balanced step's per-device region) computes the hyper-prompts
+    for the batch's tasks only: the same losses and gradients, unrolled and scanned, with a
+    task missing from the rows and with an unused slot; the gradient of an absent task's
+    prompts is zero as before."""
+    import dataclasses
+
+    for variant, scan in (("global", False), ("global", True), ("sep", False)):
+        base = seq2seq.EncoderDecoderModel(dataclasses.replace(CFG, scan_layers=scan),
+                                           num_tasks=NUM_TASKS)
+        model = conditioned_model(base, ConditioningConfig(
+            method="hyperprompt", hyperprompt_variant=variant, **SMALL))
+        subset = model.for_batch_tasks(2)
+        assert subset.module.batch_tasks == 2 and model.module.batch_tasks is None
+        assert model.for_batch_tasks(NUM_TASKS) is model
+        batch = _batch()
+        params = _init(model, batch)
+
+        def loss_and_grad(m):
+            return jax.jit(jax.value_and_grad(lambda p, b: m.loss_fn(p, b)[0]))
+
+        whole, part = loss_and_grad(model), loss_and_grad(subset)
+        for tasks in ((0, 2, 2, 0), (1, 1, 1, 1)):
+            rows = dict(batch, task_id=np.array(tasks, np.int32))
+            (l0, g0), (l1, g1) = whole(params, rows), part(params, rows)
+            np.testing.assert_allclose(l1, l0, rtol=1e-6)
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                         g1, g0)
+            side = g1["conditioning"]["encoder_hyper_prompt"]["prompts"]
+            absent = sorted(set(range(NUM_TASKS)) - set(tasks))
+            assert not np.any(np.asarray(side)[absent]), (variant, scan, tasks)
+
+
 METHODS = [
     ("hyperprompt", "share"), ("hyperprompt", "sep"), ("hyperprompt", "global"),
     ("prompt_tuning", "global"), ("adapters", "global"), ("hyperformer", "global"),

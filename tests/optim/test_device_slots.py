@@ -386,3 +386,48 @@ def test_bert_family_scanned_stacks_gather_their_layers():
                                        err_msg=f"{name} {jax.tree_util.keystr(path)}")
         gathers = [line for line in compiled.as_text().splitlines() if " all-gather(" in line]
         assert any("while/body" in line for line in gathers), name
+
+
+def test_hyperprompt_global_in_the_region_updates_as_on_one_device():
+    """A task-conditioned T5 (HyperPrompt-Global, scanned) through the Trainer's device by
+    device path with split parameters: each device computes the hyper-prompts of its one
+    task only (`for_batch_tasks`), and MetaBalance updates as on one device."""
+    from ktx.conditioning.model import ConditioningConfig, conditioned_model
+    from ktx.models import seq2seq, t5
+
+    base = seq2seq.EncoderDecoderModel(
+        t5.T5Config(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=32,
+                    num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0,
+                    scan_layers=True), num_tasks=4)
+    model = conditioned_model(base, ConditioningConfig(
+        method="hyperprompt", hyperprompt_variant="global", reduction_factor=4,
+        task_embed_dim=4, task_hidden_dim=8, projected_dim=4, encoder_prompt_length=2,
+        decoder_prompt_length=1))
+    rng = np.random.default_rng(0)
+    n = sum(ONE_TASK_EACH)
+    batch = {
+        "encoder_input_tokens": rng.integers(2, 64, (n, 6)).astype(np.int32),
+        "decoder_input_tokens": rng.integers(2, 64, (n, 4)).astype(np.int32),
+        "decoder_target_tokens": rng.integers(2, 64, (n, 4)).astype(np.int32),
+        "decoder_loss_weights": np.ones((n, 4), np.float32),
+        "task_id": np.repeat(np.arange(4), ONE_TASK_EACH).astype(np.int32),
+    }
+
+    def run(m, dims):
+        rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
+        tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=BALANCERS["metabalance"](),
+                                 mesh=m, rules=rules, weights_from_losses=False)
+        state = tr.init_state(jax.random.key(0), batch)
+        for step in range(2):
+            state, _ = tr.train_step(state, batch, jax.random.key(1), task_counts=ONE_TASK_EACH)
+        return tr, jax.device_get(state.params)
+
+    _, expected = run(partitioning.create_mesh(1, devices=jax.devices()[:1]), 1)
+    tr, got = run(partitioning.create_mesh(2), 2)
+    assert [k[0] for k in tr._compiled] == [("devices", 1)], list(tr._compiled)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=0, atol=1e-6 * np.abs(b).max()), got, expected)
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(),
+                         got["conditioning"], jax.device_get(tr.init_state(
+                             jax.random.key(0), batch).params["conditioning"]))
+    assert all(v > 0 for v in jax.tree.leaves(moved))  # every hyper-network trained
