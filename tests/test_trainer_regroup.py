@@ -19,6 +19,7 @@ from ktx.models.base import ROW_ID, with_row_ids
 from ktx.optim import compute_task_gradients
 from ktx.training import trainer as trainer_lib
 from ktx.training.optimizers import TaskOptimizer
+from tests.models.t5_batches import random_t5_batch
 
 COUNTS = (5, 3, 0, 8)  # 16 rows, one absent task
 PROCESSES = 4
@@ -45,15 +46,8 @@ def _model():
 def _batches():
     """`(process_grouped, task_grouped)`: the same 16 rows; `task_grouped` is sorted by task
     and carries each row's position in `process_grouped` as its `ROW_ID`."""
-    rng = np.random.default_rng(0)
     n = sum(COUNTS)
-    grouped = {
-        "encoder_input_tokens": rng.integers(2, 64, (n, 7)).astype(np.int32),
-        "decoder_input_tokens": rng.integers(2, 64, (n, 5)).astype(np.int32),
-        "decoder_target_tokens": rng.integers(2, 64, (n, 5)).astype(np.int32),
-        "decoder_loss_weights": np.ones((n, 5), np.float32),
-        "task_id": np.repeat(np.arange(len(COUNTS)), COUNTS).astype(np.int32),
-    }
+    grouped = random_t5_batch(COUNTS)
     shares = process_layout.process_shares(COUNTS, PROCESSES, [STEP])  # [P, T]
     starts = np.cumsum((0,) + COUNTS[:-1])
     order = []  # process p's rows of task t: the next shares[p, t] rows of t's block

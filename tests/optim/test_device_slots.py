@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ktx import optim, partitioning
 from ktx.optim.device_slots import default_scatter_dim, device_slots
 from ktx.training import trainer as trainer_lib
+from tests.models.t5_batches import random_t5_batch
 from tests.test_trainer import ToyModel
 
 COUNTS = (1, 3, 4, 8)  # 16 rows: on 8 data devices, 2 rows each; task 0 has 1 row
@@ -202,15 +203,7 @@ def test_parameters_split_over_data_are_gathered_layer_by_layer():
                            num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.1,
                            scan_layers=True, remat_policy="minimal"),
         num_tasks=4)
-    rng = np.random.default_rng(0)
-    n = sum(ONE_TASK_EACH)
-    batch = with_row_ids({
-        "encoder_input_tokens": rng.integers(2, 64, (n, 7)).astype(np.int32),
-        "decoder_input_tokens": rng.integers(2, 64, (n, 5)).astype(np.int32),
-        "decoder_target_tokens": rng.integers(2, 64, (n, 5)).astype(np.int32),
-        "decoder_loss_weights": np.ones((n, 5), np.float32),
-        "task_id": np.repeat(np.arange(4), ONE_TASK_EACH).astype(np.int32),
-    })
+    batch = with_row_ids(random_t5_batch(ONE_TASK_EACH))
     boxed = jax.jit(lambda r: model.init_variables(r, batch)["params"])(jax.random.key(0))
     params = nn.meta.unbox(boxed)
     norm = model.normalizer(batch)
@@ -403,15 +396,7 @@ def test_hyperprompt_global_in_the_region_updates_as_on_one_device():
         method="hyperprompt", hyperprompt_variant="global", reduction_factor=4,
         task_embed_dim=4, task_hidden_dim=8, projected_dim=4, encoder_prompt_length=2,
         decoder_prompt_length=1))
-    rng = np.random.default_rng(0)
-    n = sum(ONE_TASK_EACH)
-    batch = {
-        "encoder_input_tokens": rng.integers(2, 64, (n, 6)).astype(np.int32),
-        "decoder_input_tokens": rng.integers(2, 64, (n, 4)).astype(np.int32),
-        "decoder_target_tokens": rng.integers(2, 64, (n, 4)).astype(np.int32),
-        "decoder_loss_weights": np.ones((n, 4), np.float32),
-        "task_id": np.repeat(np.arange(4), ONE_TASK_EACH).astype(np.int32),
-    }
+    batch = random_t5_batch(ONE_TASK_EACH)
 
     def run(m, dims):
         rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)

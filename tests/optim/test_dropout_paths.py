@@ -18,6 +18,7 @@ from ktx.models.base import with_row_ids
 from ktx.models.recsys import RecsysModel
 from ktx.optim import compute_task_gradients
 from ktx.optim.task_gradients import leaf_combine
+from tests.models.t5_batches import random_t5_batch
 
 COUNTS = (3, 5, 0, 8)  # unequal blocks, one absent task; 16 rows (8 fake devices)
 
@@ -30,15 +31,7 @@ def _t5(dropout=0.1):
 
 
 def _t5_batch(seed=0):
-    rng = np.random.default_rng(seed)
-    n = sum(COUNTS)
-    return {
-        "encoder_input_tokens": rng.integers(2, 64, (n, 7)).astype(np.int32),
-        "decoder_input_tokens": rng.integers(2, 64, (n, 5)).astype(np.int32),
-        "decoder_target_tokens": rng.integers(2, 64, (n, 5)).astype(np.int32),
-        "decoder_loss_weights": np.ones((n, 5), np.float32),
-        "task_id": np.repeat(np.arange(len(COUNTS)), COUNTS).astype(np.int32),
-    }
+    return random_t5_batch(COUNTS, seed)
 
 
 def _recsys(dropout=0.5):
