@@ -380,16 +380,12 @@ def train_step(
         # order, so both use the one-hot VJP engine.
         blocked = _task_blocks(options)
 
-        def loss_sums(p, b):
-            return model.loss_sums_with_state(p, model_state, b, step_rng, True)
+        def loss_sums_of(m):
+            def loss_sums(p, b):
+                return m.loss_sums_with_state(p, model_state, b, step_rng, True)
+            return loss_sums
 
-        if blocked and options.device_slots:
-            # A device's rows hold at most `device_slots` tasks: per-task quantities of
-            # the model (hyper-prompts) for those only.
-            device_model = model.for_batch_tasks(options.device_slots)
-
-            def device_loss_sums(p, b):
-                return device_model.loss_sums_with_state(p, model_state, b, step_rng, True)
+        loss_sums = loss_sums_of(model)
 
         def per_task_gradients():
             rows = batch
@@ -398,6 +394,9 @@ def train_step(
 
             def task_grads(mb):
                 if blocked and options.device_slots:
+                    # A device's rows hold at most `device_slots` tasks: the model's
+                    # per-task quantities (hyper-prompts) for those only.
+                    device_loss_sums = loss_sums_of(model.for_batch_tasks(options.device_slots))
                     return optim.compute_task_gradients(
                         device_loss_sums, normalizer, params, mb, num_tasks=num_tasks,
                         shared=options.shared, method="devices", slots=options.device_slots,
