@@ -38,6 +38,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ktx import param_gather
+
 from ktx import partitioning as P
 from ktx.conditioning.task_embedding import (
     LayerEmbedding,
@@ -118,6 +120,18 @@ class HyperPrompt(nn.Module):
             name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype
         )
 
+    def _contracted(self, name, init, shape, axes, x):
+        """`x [n, t]` times the parameter `name` (`[t, ...]`) over `t`, read through
+        `ktx.param_gather.contract`: inside a balanced step's device-by-device region
+        with parameters split over `data` it stays split (a `SplitParam`, which the
+        parameter's shape check would refuse, so it is read as it is)."""
+        if self.has_variable("params", name):
+            value = self.get_variable("params", name)
+            if isinstance(value, param_gather.SplitParam):
+                return param_gather.contract(x, value, self.scope.path + (name,))
+        w = self._param(name, init, shape, axes)
+        return param_gather.contract(x, w, self.scope.path + (name,))
+
     def _local_weights(
         self, which: str, layers: slice, tasks: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]:
@@ -186,17 +200,17 @@ class HyperPrompt(nn.Module):
             # slower), keeping the generators' own dimensions, so that a generator split
             # over `model` (heads) gives weights split the same way, not a flattened
             # b*H*Dh axis that must be gathered whole before it is reshaped.
-            gen_down = self._param(
+            # (`_contracted`: a generator split over `data` in a device-by-device region
+            # is never gathered whole; see `ktx.param_gather.contract`.)
+            down = self._contracted(
                 f"{which}_down_generator", _init(0, (1, 2)), (t, d, b),
-                (P.TASK_EMBED, P.EMBED, P.HYPER_BOTTLENECK),
-            )
-            gen_up = self._param(
+                (P.TASK_EMBED, P.EMBED, P.HYPER_BOTTLENECK), flat,
+            )  # [n, d, b]
+            up = self._contracted(
                 f"{which}_up_generator", _init(0, (1, 2, 3)), (t, b, H, Dh),
-                (P.TASK_EMBED, P.HYPER_BOTTLENECK, P.HEADS, P.KV),
-            )
+                (P.TASK_EMBED, P.HYPER_BOTTLENECK, P.HEADS, P.KV), flat,
+            )  # [n, b, H, Dh]
             # Generated weights get the fan-in scale of a local hypernetwork.
-            down = jnp.einsum("nt,tdb->ndb", flat, gen_down.astype(self.dtype))
-            up = jnp.einsum("nt,tbhk->nbhk", flat, gen_up.astype(self.dtype))
             out[f"{which}_down"] = down.reshape(M, T, d, b) * (d ** -0.5)
             out[f"{which}_up"] = up.reshape(M, T, b, H, Dh) * (b ** -0.5)
         return out

@@ -230,11 +230,17 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [x for _, x in leaves_with_paths]
     paths = [path_str(p) for p, _ in leaves_with_paths]
-    # Which scanned stacks gather their layers (one trace of the model, nothing computed).
-    with param_gather.recording() as stacks:
-        jax.eval_shape(loss_sums_fn, params, batch)
-    prefixes = ["/".join(map(str, s)) + "/" for s in stacks]
+    # Which scanned stacks gather their layers, and which parameters their modules read
+    # through `param_gather.contract` (one trace of the model, nothing computed): both
+    # enter the model as `SplitParam`s, the others are gathered where the region starts.
+    # A fresh function: `eval_shape` caches traces by function, and a cached trace of
+    # `loss_sums_fn` would run none of the model's Python and record nothing.
+    with param_gather.recording() as found:
+        jax.eval_shape(lambda p, b: loss_sums_fn(p, b), params, batch)
+    prefixes = ["/".join(map(str, s)) + "/" for s in found.stacks]
     stacked = [any(p.startswith(pre) for pre in prefixes) for p in paths]
+    contracted = {"/".join(map(str, c)) for c in found.contracted}
+    left_split = [st or p in contracted for p, st in zip(paths, stacked)]
 
     def local(p, b, norm):
         p_leaves = jax.tree.leaves(p)
@@ -249,12 +255,12 @@ def _split_task_gradients(loss_sums_fn, normalizer, params, batch, num_tasks, sc
 
         def loss(whole, accs):
             it_w, it_a, out = iter(whole), iter(accs), []
-            for x, k, s, st, lay in zip(p_leaves, scatter_dims, split, stacked, layouts):
+            for x, k, s, ls, lay in zip(p_leaves, scatter_dims, split, left_split, layouts):
                 if not s:
                     out.append(next(it_w))
                     continue
                 node = param_gather.SplitParam(x, next(it_a), k - x.ndim, lay)
-                out.append(node if st else param_gather.gather(node))
+                out.append(node if ls else param_gather.gather(node))
             return loss_sums_fn(treedef.unflatten(out), b)
 
         with nn.logical_axis_rules(rules), param_gather.gathering(tasks, num_tasks):

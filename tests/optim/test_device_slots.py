@@ -251,6 +251,55 @@ def test_parameters_split_over_data_are_gathered_layer_by_layer():
     assert any(re.search(r" f32\[(\d+,)?16,1,8\]", line) for line in gathers)
 
 
+def test_contracted_parameters_stay_split_and_give_the_per_task_gradients():
+    """A parameter its module reads through `param_gather.contract` (HyperPrompt-Global's
+    generators) enters the region split and is never gathered: the product is gathered
+    instead, and the per-task gradient shards, with and without a `model` layout, equal
+    the per-task gradients of one device, as do those of the contracted operand's own
+    parameter (its cotangent comes back from the shards' partial products)."""
+    from ktx import param_gather
+    from ktx.optim.device_slots import per_device_task_gradients
+
+    T, t, d, h, k = 4, 3, 8, 2, 4
+    rng = np.random.default_rng(0)
+    params = {"emb": jnp.asarray(rng.normal(size=(T, t)), jnp.float32),
+              "gen": jnp.asarray(rng.normal(size=(t, d, h, k)) / 3, jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(16, d)), jnp.float32),
+             "task_id": jnp.asarray(np.repeat(np.arange(T), ONE_TASK_EACH), jnp.int32)}
+    norm = jnp.float32(16.0)
+
+    def loss_sums(p, b):
+        # Each device's operand differs (the rows of the tasks it does not hold are zero),
+        # as HyperPrompt's layer-task embeddings of the device's own tasks do.
+        present = (jnp.bincount(b["task_id"], length=T) > 0).astype(jnp.float32)
+        w = param_gather.contract(p["emb"] * present[:, None], p["gen"], ("gen",))
+        out = jnp.einsum("bd,bdhk->bhk", b["x"], w[b["task_id"]])
+        rows = jnp.tanh(out).sum((1, 2)) ** 2
+        return jax.ops.segment_sum(rows, b["task_id"], num_segments=T), {}
+
+    expected = jax.jacrev(lambda p: loss_sums(p, batch)[0] / norm)(params)  # [T, ...]
+    mesh = partitioning.create_mesh(2)  # 4 x 2
+    D, M = partitioning.DATA, partitioning.MODEL
+    for gen_spec, layouts in [(PartitionSpec(None, D, M, None), [None, (None, None, M, None)]),
+                              (PartitionSpec(None, D), None)]:
+        with jax.set_mesh(mesh):
+            placed = {"emb": jax.device_put(params["emb"], NamedSharding(mesh, PartitionSpec())),
+                      "gen": jax.device_put(params["gen"], NamedSharding(mesh, gen_spec))}
+            fn = jax.jit(lambda p, b: per_device_task_gradients(
+                loss_sums, norm, p, b, num_tasks=T, slots=1, scatter_dims=[0, 1],
+                split=[False, True], layouts=layouts))
+            sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(D)))
+            _, _, got = fn(placed, sharded)
+            hlo = fn.lower(placed, sharded).compile().as_text()
+        for name in ("emb", "gen"):
+            np.testing.assert_allclose(np.asarray(got[name]), np.asarray(expected[name]),
+                                       rtol=1e-5, atol=1e-6, err_msg=f"{name}, {gen_spec}")
+        assert got["gen"].sharding.spec[2] == D  # [T, t, d / data, ...]
+        # The generator is never gathered over `data` (its [t = 3, d = 8, ...] whole).
+        gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
+        assert gathers and not any(re.search(r"f32\[3,8,", line) for line in gathers)
+
+
 def test_split_parameters_through_the_trainer_update_as_on_one_device():
     """2-D parameter partitioning with one task on each device: "auto" takes per-task
     gradients device by device with split parameters, and MetaBalance, PCGrad and MGDA
