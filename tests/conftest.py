@@ -19,8 +19,10 @@ import os
 #   kernels the tiny test programs do not need. Measured in CPU seconds of one test, no
 #   compilation cache: tests/models/test_camtl.py frozen-half [base] 35.5 -> 24.3,
 #   tests/conditioning/test_model.py 2x4 mesh [hyperprompt-sep] 33.9 -> 22.5,
-#   tests/models/test_smart.py balancer + frozen layers 46.5 -> 36.5. The HLO and so the
-#   arithmetic are the same; `ktx` itself and the benchmarks keep XLA's default emitters.
+#   tests/models/test_smart.py balancer + frozen layers 46.5 -> 36.5; over the fast tier
+#   4,179 -> 2,809 compile seconds. The HLO is the same (the emitters only write its
+#   loops) and every numerical check passes unchanged; `ktx` itself and the benchmarks
+#   keep XLA's default emitters.
 _TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8",
                    "--xla_backend_optimization_level": "0",
                    "--xla_cpu_use_fusion_emitters": "false"}
