@@ -93,6 +93,20 @@ def test_held_back_lines(line, level, held):
     assert quiet.held_back(line, level) is held
 
 
+def test_a_line_written_just_before_the_process_dies_in_the_capture_is_shown():
+    """A native library that prints an error and exits inside the capture (libtpu on a
+    flag it does not know in LIBTPU_INIT_ARGS, during JAX's backend initialisation): its
+    line reaches stderr, the native log lines around it stay held back."""
+    code = ("import os; from ktx.cli import quiet\n"
+            "with quiet.native_stderr():\n"
+            "    os.write(2, b'W0000 00:00:1.5 1 x.cc:1] a probe\\n')\n"
+            "    os.write(2, b\"ERROR: Unknown command line flag 'xla_dump_to'\\n\")\n"
+            "    os._exit(1)\n")
+    out = _run([sys.executable, "-c", code])
+    assert out.returncode == 1
+    assert out.stderr == "ERROR: Unknown command line flag 'xla_dump_to'\n"
+
+
 def test_native_stderr_writes_back_all_but_native_log_lines(capfd):
     with quiet.native_stderr():
         os.write(2, b"I0000 00:00:1.5 1 port.cc:153] oneDNN custom operations are on.\n")

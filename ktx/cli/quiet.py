@@ -33,10 +33,13 @@ import importlib.abc
 import importlib.machinery
 import logging
 import os
-import re
+import pathlib
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+
+from ktx.cli import stderr_filter
 
 __all__ = ["start", "native_stderr", "quiet_backends", "held_back", "KTX_LOGGER", "TF_LEVEL_ENV"]
 
@@ -47,18 +50,9 @@ KTX_LOGGER = "ktx"
 _RUN_LEVEL = "2"
 _START_LEVEL = 3
 
-# absl / TensorFlow native log lines: `I0000 00:00:1796189708.809523    6032 port.cc:153] ...`.
-_ABSL_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+(?:\.\d+)?\s+\d+ [\w./+-]+:\d+\]")
-# Lines printed around them, without a severity of their own (held back as info).
-_PREAMBLES = (
-    "WARNING: All log messages before absl::InitializeLog() is called",
-    "WARNING: Logging before InitGoogle() is written to STDERR",
-    "Failed to find host bounds for accelerator type",
-    "=== Source Location Trace: ===",
-    "To enable the following instructions:",
-)
-_SOURCE_LOCATION = re.compile(r"^[\w./+-]+\.(cc|h|cpp):\d+$")
-_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
+# The native log lines held back (`ktx.cli.stderr_filter`, also the filter process).
+_ABSL_LINE = stderr_filter.ABSL_LINE
+_FILTER = pathlib.Path(stderr_filter.__file__)
 
 
 def _level() -> int:
@@ -75,24 +69,47 @@ def _level() -> int:
 def held_back(line: str, level: int | None = None) -> bool:
     """Whether a captured stderr line is a native log line below `level` (default: the
     level in force)."""
-    level = _level() if level is None else level
-    m = _ABSL_LINE.match(line)
-    if m:
-        return _SEVERITY[m.group(1)] < level
-    if line.startswith(_PREAMBLES) or _SOURCE_LOCATION.match(line.strip()):
-        return level > 0
-    return False
+    return stderr_filter.held_back(line, _level() if level is None else level)
 
 
 @contextlib.contextmanager
 def native_stderr() -> Iterator[None]:
-    """Captures file descriptor 2 inside the block; on exit writes back every line that
-    `held_back` does not hold back (Python's own output included, in order)."""
+    """Captures file descriptor 2 inside the block: every line that `held_back` does not
+    hold back is written back, Python's own output included, in order. A filter process
+    (`ktx.cli.stderr_filter`) reads the capture through a pipe, so that lines written just
+    before this process dies inside the block (a native library's `exit`) are shown too;
+    where it cannot start, the capture goes to a temporary file written back at the end."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
     except (OSError, ValueError, AttributeError):  # no real fd 2: nothing to capture
         yield
+        return
+    try:
+        read, write = os.pipe()
+    except OSError:
+        read = write = None
+    proc = None
+    if read is not None and sys.executable:
+        try:
+            proc = subprocess.Popen([sys.executable, "-S", "-E", str(_FILTER), str(_level())],
+                                    stdin=read, stdout=saved, stderr=saved)
+        except OSError:
+            proc = None
+        os.close(read)
+        if proc is None:
+            os.close(write)
+    if proc is not None:
+        os.dup2(write, 2)
+        os.close(write)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)  # the pipe's last write end: the filter reads to its end
+            os.close(saved)
+            proc.wait()
         return
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 2)
