@@ -14,10 +14,10 @@ step with 1-D partitioning costs. Instead, a parameter enters as this device's s
   rematerialisation the backward pass gathers the layer again;
 * a parameter its module only contracts over its leading dimension with a small
   operand (`contract`: HyperPrompt-Global's generators, `[n, t] x [t, ...]` with n the
-  device's layers x tasks) is never gathered: the product is computed on the shard and
-  gathered instead, and its per-task gradient shards are made from the product's
-  cotangent (`[n, ...]` per device) rather than from the device's whole `[t, ...]`
-  gradient;
+  device's layers x tasks) is never gathered: each device multiplies every device's
+  operand by its shard and an `all_to_all` returns each device its rows of the product;
+  its per-task gradient shards are made from the product's cotangent (`[n, ...]` per
+  device) rather than from the device's whole `[t, ...]` gradient;
 * any other split parameter is gathered once where the region starts.
 
 The gather's backward pass is where the per-task gradients are made: its cotangent is the
@@ -226,10 +226,12 @@ def contract(x: jax.Array, w: Any, path: tuple | None = None) -> jax.Array:
     `all_to_all` the other way on the product's cotangent (`[n, *rest]`, this device's
     task), so that each device holds every device's rows of its shard, and contracts
     them with every device's `x` masked by task: the per-task gradient shards
-    `[T, t, *shard]` directly; `x`'s cotangent is the partial products, reduce-scattered. No device holds the whole `[t, *rest]`
-    gradient, which for HyperPrompt-Global's generators at T5.1.1-XXL is 134 MB in
-    float32 each (t = 64, n = 24 layers x 1 task). Anywhere else: `einsum` as usual. A
-    parameter read through `contract` must not be read any other way."""
+    `[T, t, *shard]` directly (T times the FLOPs of one gradient, small beside the
+    step); `x`'s cotangent is the partial products, reduce-scattered. No device holds
+    the whole `[t, *rest]` gradient, which for HyperPrompt-Global's down generators at
+    T5.1.1-XXL is 134 MB in float32 each (t = 64, n = 24 layers x 1 task). Anywhere
+    else: a plain `tensordot`. A parameter read through `contract` must not be read any
+    other way."""
     region = _REGIONS[-1] if _REGIONS else None
     if region is not None and region.contracted is not None and path is not None:
         region.contracted.append(tuple(path))

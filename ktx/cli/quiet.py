@@ -90,12 +90,12 @@ def native_stderr() -> Iterator[None]:
     except OSError:
         read = write = None
     proc = None
-    if read is not None and sys.executable:
-        try:
-            proc = subprocess.Popen([sys.executable, "-S", "-E", str(_FILTER), str(_level())],
-                                    stdin=read, stdout=saved, stderr=saved)
-        except OSError:
-            proc = None
+    if read is not None:
+        if sys.executable:
+            with contextlib.suppress(OSError):
+                proc = subprocess.Popen(
+                    [sys.executable, "-S", "-E", str(_FILTER), str(_level())],
+                    stdin=read, stdout=saved, stderr=saved)
         os.close(read)
         if proc is None:
             os.close(write)

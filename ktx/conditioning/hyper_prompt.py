@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 
 from ktx import param_gather
-
 from ktx import partitioning as P
 from ktx.conditioning.task_embedding import (
     LayerEmbedding,
