@@ -32,7 +32,7 @@ from ktx.models.base import BaseModel
 from ktx.models.decoding import check_sampling
 from ktx.runs.eval_progress import EvalProgress
 from ktx.runs.run_dir import RunDir
-from ktx.training.summaries import MetricsWriter, per_task_metrics, quiet_absl
+from ktx.training.summaries import MetricsWriter, per_task_metrics, quiet_absl, read_metrics
 from ktx.training.trainer import Trainer
 
 _log = logging.getLogger(__name__)  # ktx.cli prints it as `ktx: ...`
@@ -417,11 +417,31 @@ def select_checkpoint_steps(model_dir, checkpoint_steps) -> list[int]:
         return saved
     if checkpoint_steps == "latest":
         return saved[-1:]
+    if checkpoint_steps == "best":
+        return [_early_stopping_best(model_dir, saved)]
     wanted = [checkpoint_steps] if isinstance(checkpoint_steps, int) else list(checkpoint_steps)
     missing = [s for s in wanted if s not in saved]
     if missing:
         raise ValueError(f"checkpoint_steps={checkpoint_steps!r}: steps {missing} not saved; saved: {saved}")
     return wanted
+
+
+def _early_stopping_best(model_dir, saved: Sequence[int]) -> int:
+    """The step the training loop's early stopping last named best (its `early_stopping`
+    row in `<model_dir>/metrics.jsonl`), which `ktx train` keeps among its checkpoints."""
+    path = RunDir(model_dir).metrics
+    rows = [r for r in read_metrics(path) if r.get("split") == "early_stopping"] \
+        if path.is_file() else []
+    if not rows:
+        raise ValueError(
+            f"checkpoint_steps='best': {path} has no early-stopping record (the run was not "
+            "trained with early_stopping_metric); accepted instead: 'all', 'latest', a step "
+            f"or a list of steps; saved: {list(saved)}")
+    best = max(rows, key=lambda r: r["step"])["best_step"]
+    if best not in saved:
+        raise ValueError(f"checkpoint_steps='best': the best step {best} named in {path} is "
+                         f"not among the saved checkpoints {list(saved)}")
+    return int(best)
 
 
 def abstract_params_for(model: BaseModel, trainer: Trainer, batch_size: int, feature_lengths):
@@ -454,7 +474,8 @@ def evaluate(
     """Decodes and scores every selected checkpoint of `model_dir` offline.
 
     Args:
-      checkpoint_steps: "all", "latest", a step, or a list of steps.
+      checkpoint_steps: "all", "latest", "best" (the step the run's early stopping
+        named best), a step, or a list of steps.
       output_dir: where metrics.jsonl and events go (default `<model_dir>/eval`).
       evaluators: `Evaluator`s to run on each checkpoint instead of SeqIO decoding (an
         encoder model has nothing to decode: e.g. `ktx.runs.tag_eval.TaggingEvaluator`,

@@ -136,7 +136,8 @@ def evaluate(
     """Ranks validation and test at every selected checkpoint of `model_dir`.
 
     Args:
-      checkpoint_steps: "all", "latest", a step, or a list of steps.
+      checkpoint_steps: "all", "latest", "best" (the step the run's early stopping
+        named best), a step, or a list of steps.
       select_metric: the validation metric that picks the best checkpoint.
       validation_max_users, test_max_users: fixed random user subsets (None: all).
       output_dir: where metrics.jsonl and events go (default `<model_dir>/eval`).

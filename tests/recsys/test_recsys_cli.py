@@ -13,6 +13,7 @@ from ktx.data import recsys as R
 from ktx.models.recsys import RecsysModel
 from ktx.training.summaries import read_metrics
 from ktx.runs.train import EarlyStopping, train
+from ktx.runs.eval import select_checkpoint_steps
 
 NUM_USERS, NUM_ITEMS = 24, 20
 
@@ -133,11 +134,23 @@ def test_early_stopping_stops_saves_and_stays_stopped(tmp_path, capsys):
     assert "Early stopping at step %d" % (5 * n) in capsys.readouterr().out
     saved = sorted(int(p.name) for p in (tmp_path / "run/checkpoints").iterdir() if p.name.isdigit())
     assert saved[-1] == 5 * n
+    # `ktx eval`'s CHECKPOINT_STEPS='best' names the checkpoint early stopping chose.
+    assert select_checkpoint_steps(tmp_path / "run", "best") == [2 * n]
     # Launching the same run again does nothing: it stopped.
     ev2 = _Scripted(values)
     step, _ = _train(tmp_path, ev2, epochs=8, patience=3)
     assert step == 5 * n and ev2.calls == []
     assert "stopped early" in capsys.readouterr().out
+
+
+def test_best_checkpoint_needs_an_early_stopping_record(tmp_path):
+    data = R.load_tmall_pairs(_write_tmall_folder(tmp_path / "tmall"))
+    model = RecsysModel(num_users=NUM_USERS, num_items=NUM_ITEMS, num_tasks=3, embed_dim=4,
+                        mlp_dims=(4, 2), tower_dims=(4,), dropout_rate=0.0)
+    train(model=model, train_input=R.RecsysTrainInput(data, batch_size=48), model_dir=tmp_path / "run",
+          train_epochs=1, optimizer=optax.adam(1e-2), log_period=1000, checkpoint_period="epoch")
+    with pytest.raises(ValueError, match="checkpoint_steps='best': .* no early-stopping record"):
+        select_checkpoint_steps(tmp_path / "run", "best")
 
 
 def test_early_stopping_resumes_its_count(tmp_path):
