@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ktx import param_gather
 from ktx.models.t5_stack import recompute_elementwise
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, RELPOS_BUCKETS, VOCAB
 
@@ -103,25 +104,34 @@ class Embed(nn.Module):
     embedding_init: Callable = nn.initializers.normal(stddev=1.0)
 
     def setup(self):
-        self.embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(self.embedding_init, (VOCAB, EMBED)),
-            (self.num_embeddings, self.features),
-            jnp.float32,
-        )
+        # Inside a balanced step's device-by-device region the table may be a
+        # `param_gather.SplitParam` (read through `param_gather.take`), which the
+        # parameter's shape check would refuse: it is then read as it is.
+        if isinstance(self.get_variable("params", "embedding") if self.has_variable(
+                "params", "embedding") else None, param_gather.SplitParam):
+            self.embedding = self.get_variable("params", "embedding")
+        else:
+            self.embedding = self.param(
+                "embedding",
+                nn.with_logical_partitioning(self.embedding_init, (VOCAB, EMBED)),
+                (self.num_embeddings, self.features),
+                jnp.float32,
+            )
 
     def __call__(self, ids: Array) -> Array:
         """`ids` int `[B, L]` -> `[B, L, E]` in `dtype`."""
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"Embed: token ids must be integers, got dtype {ids.dtype}")
-        out = jnp.take(jnp.asarray(self.embedding, self.dtype), ids, axis=0)
+        out = param_gather.take(self.embedding, ids, self.scope.path + ("embedding",),
+                                self.dtype)
         return nn.with_logical_constraint(out, (BATCH, LENGTH, EMBED))
 
     def attend(self, query: Array, dtype: Dtype | None = None) -> Array:
         """`[..., E]` -> `[..., V]`: dot products with every embedding (tied logits),
         computed in `dtype` (default: the module's)."""
         dtype = self.dtype if dtype is None else dtype
-        return jnp.dot(jnp.asarray(query, dtype), jnp.asarray(self.embedding, dtype).T)
+        table = param_gather.gather(self.embedding)
+        return jnp.dot(jnp.asarray(query, dtype), jnp.asarray(table, dtype).T)
 
 
 class RMSNorm(nn.Module):

@@ -8,6 +8,7 @@ update, with 1-D and 2-D parameter partitioning.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import flax.linen as nn
@@ -298,6 +299,57 @@ def test_contracted_parameters_stay_split_and_give_the_per_task_gradients():
         # The generator is never gathered over `data` (its [t = 3, d = 8, ...] whole).
         gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
         assert gathers and not any(re.search(r"f32\[3,8,", line) for line in gathers)
+
+
+def test_embedding_tables_looked_up_split_give_the_per_task_gradients():
+    """A table its module reads through `param_gather.take` (T5's token embedder) enters
+    the region split over `data` along its features and is never gathered: each device
+    looks up every device's ids in its shard. Its per-task gradient shards, with the rows
+    split over `model` and without, and with the same table also read whole (tied logits,
+    `gather`), equal the per-task gradients of one device."""
+    from ktx import param_gather
+    from ktx.optim.device_slots import per_device_task_gradients
+
+    T, V, E, L = 4, 6, 8, 3
+    rng = np.random.default_rng(1)
+    params = {"table": jnp.asarray(rng.normal(size=(V, E)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(E,)), jnp.float32)}
+    # Ids repeat within and across devices (and tasks), so rows' cotangents add up.
+    batch = {"ids": jnp.asarray(rng.integers(0, V, size=(16, L)), jnp.int32),
+             "task_id": jnp.asarray(np.repeat(np.arange(T), ONE_TASK_EACH), jnp.int32)}
+    norm = jnp.float32(16.0)
+
+    def loss_sums(p, b, tied):
+        x = param_gather.take(p["table"], b["ids"], ("table",), jnp.float32)  # [B, L, E]
+        rows = (jnp.tanh(x * p["w"]).sum(-1) ** 2).sum(-1)
+        if tied:
+            logits = x.mean(1) @ param_gather.gather(p["table"]).T  # [B, V]
+            rows = rows + jax.nn.logsumexp(logits, -1)
+        return jax.ops.segment_sum(rows, b["task_id"], num_segments=T), {}
+
+    mesh = partitioning.create_mesh(2)  # 4 x 2
+    D, M = partitioning.DATA, partitioning.MODEL
+    for tied in (False, True):
+        expected = jax.jacrev(lambda p: loss_sums(p, batch, tied)[0] / norm)(params)
+        for spec, layouts in [(PartitionSpec(M, D), [(M, None), None]),
+                              (PartitionSpec(None, D), None)]:
+            with jax.set_mesh(mesh):
+                placed = {"table": jax.device_put(params["table"], NamedSharding(mesh, spec)),
+                          "w": jax.device_put(params["w"], NamedSharding(mesh, PartitionSpec()))}
+                fn = jax.jit(lambda p, b: per_device_task_gradients(
+                    functools.partial(loss_sums, tied=tied), norm, p, b, num_tasks=T, slots=1,
+                    scatter_dims=[1, 0], split=[True, False], layouts=layouts))
+                sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(D)))
+                _, _, got = fn(placed, sharded)
+                hlo = fn.lower(placed, sharded).compile().as_text()
+            for name in ("table", "w"):
+                np.testing.assert_allclose(np.asarray(got[name]), np.asarray(expected[name]),
+                                           rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name}, {spec}, tied={tied}")
+            assert got["table"].sharding.spec[2] == D  # [T, V, E / data]
+            if not tied:  # the table [V = 6, E = 8] is never gathered whole
+                gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
+                assert not any(re.search(r"f32\[(3|6),8\]", line) for line in gathers)
 
 
 def test_split_parameters_through_the_trainer_update_as_on_one_device():
