@@ -427,8 +427,17 @@ def _take_bwd(axis, num_tasks, layout, dtype, res, ct):
             jnp.repeat(tasks, ids.shape[0])[(slice(None),) + (None,) * (ids.ndim - 1)],
             every.shape)
         # Rows outside this device's slice of V go to an index past the end: dropped.
-        grads = jnp.zeros((num_tasks, rows) + tuple(pieces.shape[every.ndim:]), acc_dtype)
-        return grads.at[row_task, jnp.where(valid, local, rows)].add(pieces, mode="drop")
+        # Made features-first, `[*shard, T, V]`, and moved back: the table's rows are the
+        # long dimension, so the accumulator is not padded along a short feature shard
+        # (a TPU tiles an array's last dimension by 128).
+        feats = tuple(pieces.shape[every.ndim:])
+        grads = jnp.zeros(feats + (num_tasks, rows), acc_dtype)
+        moved = jnp.moveaxis(pieces, tuple(range(every.ndim, pieces.ndim)),
+                             tuple(range(len(feats))))
+        index = (slice(None),) * len(feats) + (row_task, jnp.where(valid, local, rows))
+        grads = grads.at[index].add(moved, mode="drop")
+        return jnp.moveaxis(grads, tuple(range(len(feats))),
+                            tuple(range(2, 2 + len(feats))))
 
     rest = tuple(layout or ())
     grads = _take_local(fn, layout, axis, (PartitionSpec(), PartitionSpec(), PartitionSpec()),
