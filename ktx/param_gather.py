@@ -407,11 +407,12 @@ def _take(ids, shard, acc, tasks, axis, num_tasks, layout, dtype):
 
 def _take_fwd(ids, shard, acc, tasks, axis, num_tasks, layout, dtype):
     out = _take(ids, shard, acc, tasks, axis, num_tasks, layout, dtype)
-    return out, (ids, tasks, jnp.zeros((), acc.dtype), shard.shape)
+    # An empty array carries the accumulator's dtype and the shard's row count.
+    return out, (ids, tasks, jnp.zeros((shard.shape[0], 0), acc.dtype))
 
 
 def _take_bwd(axis, num_tasks, layout, dtype, res, ct):
-    ids, tasks, acc_dtype, shape = res[0], res[1], res[2].dtype, res[3]
+    ids, tasks, acc_dtype, shape = res[0], res[1], res[2].dtype, res[2].shape
     names = _take_axes(layout, axis)
 
     def fn(ids, tasks, ct):
