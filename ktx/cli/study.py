@@ -59,7 +59,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--study", default=None,
                    help="report: the study file (default: STUDY_DIR/study.gin, written by run)")
     c.add_argument("--out", default=None,
-                   help="report: folder for report.md, report.csv, report.png (default: STUDY_DIR)")
+                   help="report: folder for report.md, report.csv, report.png and curves.png "
+                        "(default: STUDY_DIR)")
     c.add_argument("--gin_search_paths", default="", help="comma-separated folders")
     c.add_argument("--heartbeat", type=float, default=30.0, help=argparse.SUPPRESS)
     c.add_argument("--stale_after", type=float, default=600.0,
@@ -213,8 +214,10 @@ def _report(args, bindings) -> int:
     (out / "report.md").write_text(text)
     report_lib.write_csv(report, out / "report.csv")
     report_lib.write_png(report, out / "report.png")
+    curves = report_lib.write_curves_png(report, out / "curves.png")
     print(text)
-    print(f"ktx study: wrote {out / 'report.md'}, report.csv and report.png")
+    print(f"ktx study: wrote {out / 'report.md'}, report.csv, report.png"
+          + (" and curves.png (every evaluation of the select metric)" if curves else ""))
     return 0
 
 

@@ -23,7 +23,8 @@ from ktx.studies.records import Record
 from ktx.studies.spec import Study
 from ktx.studies.stats import delta_m, mean_sd, paired_test
 
-__all__ = ["ArmSummary", "Report", "build", "markdown", "metric_values", "write_csv", "write_png"]
+__all__ = ["ArmSummary", "Report", "build", "curves", "markdown", "metric_values", "write_csv",
+           "write_curves_png", "write_png"]
 
 
 @dataclasses.dataclass
@@ -257,3 +258,61 @@ def write_png(report: Report, path: str | pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def curves(report: Report, metric: str | None = None) -> dict[str, dict[str, dict[int, list]]]:
+    """Every evaluation of `metric` (default: the study's `select_metric`) over each run:
+    `{budget: {arm: {seed: [(step, value), ...]}}}`, from the records' `evaluations` (a
+    single-task arm's records hold one list per task and are left out, as are records
+    written before `ktx study`); an arm with no such evaluation is left out."""
+    metric = metric or report.study.select_metric
+    out: dict[str, dict[str, dict[int, list]]] = {}
+    if metric is None:
+        return out
+    for budget, summaries in report.budgets.items():
+        for s in summaries:
+            for seed, record in s.records.items():
+                evaluations = record.data.get("evaluations")
+                if not isinstance(evaluations, list):
+                    continue
+                points = sorted((int(e["step"]), float(e["metrics"][metric]))
+                                for e in evaluations if metric in e.get("metrics", {}))
+                if points:
+                    out.setdefault(budget, {}).setdefault(s.arm, {})[seed] = points
+    return out
+
+
+def write_curves_png(report: Report, path: str | pathlib.Path, metric: str | None = None) -> bool:
+    """Per budget, `metric` (default: the study's `select_metric`) at every evaluation of
+    every run: each seed a thin line, each arm's mean over the seeds evaluated at a step a
+    thick one. False (nothing written) when no record holds such evaluations."""
+    data = curves(report, metric)
+    if not data:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = metric or report.study.select_metric
+    fig, axes = plt.subplots(len(data), 1, squeeze=False, figsize=(8.0, 3.6 * len(data)))
+    for ax, (budget, arms) in zip(axes[:, 0], data.items()):
+        for i, (arm, seeds) in enumerate(arms.items()):
+            color = f"C{i % 10}"
+            by_step: dict[int, list[float]] = {}
+            for points in seeds.values():
+                ax.plot(*zip(*points), color=color, linewidth=0.6, alpha=0.4)
+                for step, value in points:
+                    by_step.setdefault(step, []).append(value)
+            steps = sorted(by_step)
+            ax.plot(steps, [sum(by_step[t]) / len(by_step[t]) for t in steps], color=color,
+                    linewidth=1.8, label=f"{arm} ({len(seeds)} seed{'s' * (len(seeds) != 1)})")
+        ax.set_xlabel("step")
+        ax.set_ylabel(report.study.label(metric), fontsize=8)
+        ax.set_title(f"{report.study.name}: budget {budget}", fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+

@@ -109,3 +109,31 @@ def test_derived_metrics_are_computed_in_order(tmp_path):
     values = report.budgets["default"][0].values
     assert values["acc"][0] == pytest.approx(0.7)
     assert values["both"][0] == pytest.approx((0.7 + (0.3 + 0.7) / 2) / 2)
+
+
+def test_curves_hold_every_evaluation_of_the_select_metric(tmp_path):
+    study = _study(tmp_path, select_metric="acc")
+    _write(study, "plain", 0, {"acc": 0.7, "err": 0.4})
+    _write(study, "plain", 1, {"acc": 0.8, "err": 0.3})
+    _write(study, "new", 0, {"acc": 0.9, "err": 0.2})
+    report = report_lib.build(study, load_records(tmp_path))
+    # Records without evaluations (or before `ktx study`): no curves, nothing written.
+    assert report_lib.curves(report) == {}
+    assert report_lib.write_curves_png(report, tmp_path / "none.png") is False
+    assert not (tmp_path / "none.png").exists()
+
+    def evaluations(path, points):
+        data = json.loads(path.read_text())
+        data["evaluations"] = [{"step": s, "metrics": {"acc": a, "err": 1 - a}} for s, a in points]
+        path.write_text(json.dumps(data))
+
+    # Written out of order, and seed 1 stopped early: each run keeps its own steps.
+    evaluations(tmp_path / "plain-seed0.json", [(20, 0.7), (10, 0.6), (30, 0.65)])
+    evaluations(tmp_path / "plain-seed1.json", [(10, 0.8), (20, 0.75)])
+    report = report_lib.build(study, load_records(tmp_path))
+    assert report_lib.curves(report) == {
+        "default": {"plain": {0: [(10, 0.6), (20, 0.7), (30, 0.65)], 1: [(10, 0.8), (20, 0.75)]}}}
+    assert report_lib.curves(report, "err")["default"]["plain"][1] == [
+        (10, pytest.approx(0.2)), (20, pytest.approx(0.25))]
+    assert report_lib.write_curves_png(report, tmp_path / "c.png") is True
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
