@@ -59,13 +59,22 @@ def test_eval_progress_prints_rate_and_eta_at_most_every_period():
     quiet.add(999)
     assert out.getvalue() == "" and quiet.lines == 0  # under 30 s: silent
     progress = EvalProgress("ranking validation at step 8", 1000, "users", every=0.1, stream=out)
-    time.sleep(0.12)
-    progress.add(250)
-    progress.add(250)  # within 0.1 s of the last line: not printed
+    time.sleep(0.3)  # the first chunk's compilation
+    progress.add(100)
+    progress.add(100)  # within 0.1 s of the last line: not printed
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and progress.lines == 1
-    assert lines[0].startswith("ranking validation at step 8: 250/1,000 users | ")
-    assert "users/s | elapsed 0:00 | eta 0:0" in lines[0]
+    # One report: no steady rate yet, so no ETA.
+    assert lines[0].startswith("ranking validation at step 8: 100/1,000 users | warming up | elapsed 0:0")
+    assert "eta" not in lines[0]
+    time.sleep(0.15)
+    progress.add(100)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("ranking validation at step 8: 300/1,000 users | ")
+    # The rate counts from the first report: 200 users in ~0.15 s, not 300 in ~0.45 s
+    # (which would put the ETA at 1.1 s instead of about 0.5).
+    assert 700 < progress.rate() < 1500
+    assert "users/s | elapsed 0:0" in lines[1] and lines[1].split("| eta ")[1] in ("0:00", "0:01")
     with pytest.raises(ValueError, match="every=0"):
         EvalProgress("x", 1, "users", every=0)
 

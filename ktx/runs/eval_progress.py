@@ -6,6 +6,11 @@
 reports each chunk of users from a device callback); a line is printed at most every
 `every` seconds (30 by default) and only on process 0, so a short evaluation prints
 nothing and a long one is never silent for long.
+
+The rate and ETA count from the first report on: the time before it is the first
+chunk's compilation and start-up, which the rest does not pay again (a full ranking of
+29,310 users once read 31 users/s and an ETA of 15 minutes at 30 s, and took 1:42).
+Until a second report arrives the line says `warming up` and gives no ETA.
 """
 
 from __future__ import annotations
@@ -44,28 +49,42 @@ class EvalProgress:
         self.done = 0
         self.lines = 0
         self._start = self._last_line = time.perf_counter()
+        self._first: tuple[float, int] | None = None  # (time, done) of the first report
         self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
         """`n` more units done."""
         with self._lock:
             self.done += int(n)
-            self._maybe_print()
+            self._reported()
 
     def update(self, done: int) -> None:
         """`done` units done in all."""
         with self._lock:
             self.done = int(done)
-            self._maybe_print()
+            self._reported()
+
+    def _reported(self) -> None:
+        if self._first is None and self.done > 0:
+            self._first = (time.perf_counter(), self.done)
+        self._maybe_print()
+
+    def rate(self, now: float | None = None) -> float | None:
+        """Units per second since the first report (None before a second one)."""
+        now = time.perf_counter() if now is None else now
+        if self._first is None or self.done <= self._first[1] or now <= self._first[0]:
+            return None
+        return (self.done - self._first[1]) / (now - self._first[0])
 
     def line(self, now: float | None = None) -> str:
         now = time.perf_counter() if now is None else now
         elapsed = max(now - self._start, 1e-9)
-        rate = self.done / elapsed
+        rate = self.rate(now)
         of = f"/{self.total:,}" if self.total else ""
-        eta = (self.total - self.done) / rate if self.total and rate > 0 else float("inf")
-        return (f"{self.what}: {self.done:,}{of} {self.unit} | {rate:.1f} {self.unit}/s | "
-                f"elapsed {_duration(elapsed)}" + (f" | eta {_duration(eta)}" if self.total else ""))
+        speed = "warming up" if rate is None else f"{rate:.1f} {self.unit}/s"
+        eta = f" | eta {_duration((self.total - self.done) / rate)}" \
+            if self.total and rate is not None else ""
+        return f"{self.what}: {self.done:,}{of} {self.unit} | {speed} | elapsed {_duration(elapsed)}{eta}"
 
     def _maybe_print(self) -> None:
         now = time.perf_counter()
