@@ -344,7 +344,8 @@ def take(table: Any, ids: jax.Array, path: tuple | None = None, dtype: Any = Non
     region = _REGIONS[-1] if _REGIONS else None
     if region is not None and region.contracted is not None and path is not None:
         region.contracted.append(tuple(path))
-    if not isinstance(w := table, SplitParam):
+    w = table
+    if not isinstance(w, SplitParam):
         w = jnp.asarray(w)
         return jnp.take(w if dtype is None else w.astype(dtype), ids, axis=0)
     axis = w.shard.ndim + w.dim
