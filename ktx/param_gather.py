@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec
 from ktx.partitioning import DATA, entry_axes
 
 __all__ = ["SplitParam", "contract", "gather", "gather_layer_params", "gathering",
-           "recording", "split_param", "stack_hook", "sum_by_task", "take"]
+           "module_param", "recording", "split_param", "stack_hook", "sum_by_task", "take"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -220,6 +220,14 @@ def stack_hook(scope_path: tuple | None) -> bool:
     return True
 
 
+def module_param(module: nn.Module, name: str, declare: Any) -> Any:
+    """A module's parameter `name` for `contract` or `take`: inside a device-by-device
+    region the `SplitParam` as it is (the parameter's shape check would refuse it),
+    anywhere else `declare()` (the module's own `self.param(...)`)."""
+    value = module.get_variable("params", name) if module.has_variable("params", name) else None
+    return value if isinstance(value, SplitParam) else declare()
+
+
 def contract(x: jax.Array, w: Any, path: tuple | None = None) -> jax.Array:
     """`x [n, t]` times a parameter `w [t, *rest]` over `t`: `[n, *rest]`, in `x`'s dtype.
 
@@ -257,10 +265,10 @@ def _contract_axes(layout: tuple | None, axis: int) -> tuple:
     return tuple(sorted(names))
 
 
-def _contract_local(fn, layout, axis, in_specs, out_specs):
-    """`fn` in a nested `shard_map` manual over `_contract_axes` (`fn` itself if none);
-    `in_specs` / `out_specs`: each operand's `PartitionSpec` there."""
-    names = _contract_axes(layout, axis)
+def _manual_over(fn, names: tuple, in_specs, out_specs):
+    """`fn` in a nested `shard_map` manual over the mesh axes `names` (`fn` itself if
+    none: `contract`'s and `take`'s collectives); `in_specs` / `out_specs`: each operand's
+    `PartitionSpec` there."""
     if not names:
         return fn
     return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(),
@@ -280,8 +288,9 @@ def _contract(x, shard, acc, tasks, axis, num_tasks, layout):
         part = jnp.tensordot(xs, shard.astype(x.dtype), axes=((1,), (0,)))
         return jax.lax.all_to_all(part, DATA, split_axis=0, concat_axis=axis, tiled=True)
 
-    return _contract_local(fn, layout, axis, (PartitionSpec(), PartitionSpec(*(layout or ()))),
-                           PartitionSpec(None, *rest))(x, shard)
+    return _manual_over(fn, _contract_axes(layout, axis),
+                        (PartitionSpec(), PartitionSpec(*(layout or ()))),
+                        PartitionSpec(None, *rest))(x, shard)
 
 
 def _contract_fwd(x, shard, acc, tasks, axis, num_tasks, layout):
@@ -313,8 +322,8 @@ def _contract_bwd(axis, num_tasks, layout, res, ct):
         return dx.astype(x.dtype), grads
 
     lay = tuple(layout or ())
-    dx, grads = _contract_local(
-        fn, layout, axis,
+    dx, grads = _manual_over(
+        fn, model_axes,
         (PartitionSpec(), PartitionSpec(*lay), PartitionSpec(), PartitionSpec(None, *rest)),
         (PartitionSpec(), PartitionSpec(None, *lay)))(x, shard, tasks, ct)
     return dx, None, grads, None
@@ -356,21 +365,13 @@ def take(table: Any, ids: jax.Array, path: tuple | None = None, dtype: Any = Non
                  w.shard.dtype if dtype is None else jnp.dtype(dtype))
 
 
-def _take_axes(layout: tuple | None, axis: int) -> tuple:
+def _take_axes(layout: tuple | None) -> tuple:
     """The mesh axes other than `data` that split the table's rows (`V`), over which
     `take`'s collectives run manual and its rows are summed; none where any of the
     feature dimensions has one (XLA's partitioner then takes care of them)."""
     if layout is None or any(e is not None for e in layout[1:]):
         return ()
     return tuple(sorted(entry_axes(layout[0])))
-
-
-def _take_local(fn, layout, axis, in_specs, out_specs):
-    names = _take_axes(layout, axis)
-    if not names:
-        return fn
-    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
-                         out_specs=out_specs, axis_names=set(names), check_vma=False)
 
 
 def _row_slice(ids: jax.Array, rows: int, names: tuple) -> tuple[jax.Array, jax.Array]:
@@ -388,7 +389,7 @@ def _row_slice(ids: jax.Array, rows: int, names: tuple) -> tuple[jax.Array, jax.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _take(ids, shard, acc, tasks, axis, num_tasks, layout, dtype):
     del acc, tasks, num_tasks
-    names = _take_axes(layout, axis)
+    names = _take_axes(layout)
 
     def fn(ids, shard):
         # Every device's ids looked up in this feature shard: [D * n..., *shard], each
@@ -402,7 +403,7 @@ def _take(ids, shard, acc, tasks, axis, num_tasks, layout, dtype):
                                   tiled=True)
 
     lay = tuple(layout or ())
-    return _take_local(fn, layout, axis, (PartitionSpec(), PartitionSpec(*lay)),
+    return _manual_over(fn, names, (PartitionSpec(), PartitionSpec(*lay)),
                        PartitionSpec())(ids, shard)
 
 
@@ -414,7 +415,7 @@ def _take_fwd(ids, shard, acc, tasks, axis, num_tasks, layout, dtype):
 
 def _take_bwd(axis, num_tasks, layout, dtype, res, ct):
     ids, tasks, acc_dtype, shape = res[0], res[1], res[2].dtype, res[2].shape
-    names = _take_axes(layout, axis)
+    names = _take_axes(layout)
 
     def fn(ids, tasks, ct):
         every = jax.lax.all_gather(ids, DATA, tiled=True)  # [D * n, ...]
@@ -442,7 +443,7 @@ def _take_bwd(axis, num_tasks, layout, dtype, res, ct):
                             tuple(range(2, 2 + len(feats))))
 
     rest = tuple(layout or ())
-    grads = _take_local(fn, layout, axis, (PartitionSpec(), PartitionSpec(), PartitionSpec()),
+    grads = _manual_over(fn, names, (PartitionSpec(), PartitionSpec(), PartitionSpec()),
                         PartitionSpec(None, *rest))(ids, tasks, ct)
     return None, None, grads, None
 

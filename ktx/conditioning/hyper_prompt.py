@@ -124,9 +124,7 @@ class HyperPrompt(nn.Module):
         `ktx.param_gather.contract`: inside a balanced step's device-by-device region
         with parameters split over `data` it stays split (a `SplitParam`, which the
         parameter's shape check would refuse, so it is read as it is)."""
-        w = self.get_variable("params", name) if self.has_variable("params", name) else None
-        if not isinstance(w, param_gather.SplitParam):
-            w = self._param(name, init, shape, axes)
+        w = param_gather.module_param(self, name, lambda: self._param(name, init, shape, axes))
         return param_gather.contract(x, w, self.scope.path + (name,))
 
     def _local_weights(

@@ -104,19 +104,14 @@ class Embed(nn.Module):
     embedding_init: Callable = nn.initializers.normal(stddev=1.0)
 
     def setup(self):
-        # Inside a balanced step's device-by-device region the table may be a
-        # `param_gather.SplitParam` (read through `param_gather.take`), which the
-        # parameter's shape check would refuse: it is then read as it is.
-        if isinstance(self.get_variable("params", "embedding") if self.has_variable(
-                "params", "embedding") else None, param_gather.SplitParam):
-            self.embedding = self.get_variable("params", "embedding")
-        else:
-            self.embedding = self.param(
-                "embedding",
-                nn.with_logical_partitioning(self.embedding_init, (VOCAB, EMBED)),
-                (self.num_embeddings, self.features),
-                jnp.float32,
-            )
+        # Inside a balanced step's device-by-device region: a `param_gather.SplitParam`,
+        # read through `param_gather.take`.
+        self.embedding = param_gather.module_param(self, "embedding", lambda: self.param(
+            "embedding",
+            nn.with_logical_partitioning(self.embedding_init, (VOCAB, EMBED)),
+            (self.num_embeddings, self.features),
+            jnp.float32,
+        ))
 
     def __call__(self, ids: Array) -> Array:
         """`ids` int `[B, L]` -> `[B, L, E]` in `dtype`."""
