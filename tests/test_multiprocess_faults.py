@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # processes started, killed and relaunched
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 KTX = str(pathlib.Path(sys.executable).parent / "ktx")
-STEPS, CHECKPOINT_PERIOD, HEARTBEAT = 120, 20, 10
+STEPS, CHECKPOINT_PERIOD, HEARTBEAT = 80, 20, 10
 
 
 def _free_port() -> int:
@@ -68,6 +68,14 @@ def _wait_all(procs, logs: pathlib.Path) -> None:
             pytest.fail(f"process {i} failed ({rc}):\n{(logs / f'process_{i}.log').read_text()[-3000:]}")
 
 
+def _steps_logged(model_dir: pathlib.Path) -> int:
+    """Train steps in metrics.jsonl so far; read while the run writes it, so a last line
+    not yet whole is not counted (read_metrics would reject it)."""
+    path = model_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.is_file() else []
+    return sum('"split": "train", "task": "all"' in line for line in lines)
+
+
 def _train_rows(model_dir: pathlib.Path) -> list[dict]:
     return [r for r in read_metrics(model_dir) if r["split"] == "train" and r["task"] == "all"]
 
@@ -86,20 +94,38 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_sigkill_exits_within_heartbeat_and_resumes_exactly(tmp_path, uninterrupted):
-    # A worker, then the coordinator. One test, not two parametrized ones: xdist's
-    # worksteal put the two on different workers, each training the uninterrupted run
-    # (about 85 s) for itself.
-    for victim in (1, 0):
-        _kill_and_resume(tmp_path / f"victim_{victim}", *uninterrupted, victim)
-
-
-def _kill_and_resume(tmp_path, model_gin, reference, victim):
+    # One run killed twice: a worker past the first checkpoint, then, in the resumed run,
+    # the coordinator past the second; each time the survivor exits within the heartbeat
+    # timeout, and the run resumed twice ends with the uninterrupted run's losses. (One
+    # run, not one per victim: each launch of two processes costs ~25 s to start.)
+    model_gin, reference = uninterrupted
     run = tmp_path / "run"
-    procs = _launch(model_gin, run, tmp_path / "logs_killed")
-    metrics = run / "metrics.jsonl"
+    for relaunch, victim in enumerate((1, 0)):
+        _kill(model_gin, run, tmp_path / f"logs_killed_{victim}", victim,
+              after=(relaunch + 1) * CHECKPOINT_PERIOD + 5)
+        if relaunch:
+            log = (tmp_path / f"logs_killed_{victim}" / "process_0.log").read_text()
+            assert "Resuming from checkpoint step" in log, log[-3000:]
+
+    logs = tmp_path / "logs_resumed"
+    _wait_all(_launch(model_gin, run, logs), logs)
+    assert "Resuming from checkpoint step" in (logs / "process_0.log").read_text()
+    rows = read_metrics(run)
+    counts = collections.Counter((r["step"], r["split"], r["task"]) for r in rows)
+    assert max(counts.values()) == 1, [k for k, n in counts.items() if n > 1][:5]
+    a = [r["loss"] for r in sorted(_train_rows(reference), key=lambda r: r["step"])]
+    b = [r["loss"] for r in sorted(_train_rows(run), key=lambda r: r["step"])]
+    assert len(a) == len(b) == STEPS
+    assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def _kill(model_gin, run, logs, victim, after):
+    """Launches the run, SIGKILLs process `victim` once `after` steps are logged; the
+    survivor must exit non-zero within the heartbeat timeout."""
+    procs = _launch(model_gin, run, logs)
     deadline = time.time() + 600
-    while time.time() < deadline:  # past the first checkpoint, before the end
-        if metrics.is_file() and len(_train_rows(run)) > CHECKPOINT_PERIOD + 5:
+    while time.time() < deadline:  # past the checkpoint, before the end
+        if _steps_logged(run) > after:
             break
         assert all(p.poll() is None for p in procs), "a process ended before the kill"
         time.sleep(0.05)
@@ -117,14 +143,3 @@ def _kill_and_resume(tmp_path, model_gin, reference, victim):
           f"(--heartbeat_timeout={HEARTBEAT})")
     assert rc != 0 and exit_seconds < HEARTBEAT + 30
     assert len(_train_rows(run)) < STEPS
-
-    logs = tmp_path / "logs_resumed"
-    _wait_all(_launch(model_gin, run, logs), logs)
-    assert "Resuming from checkpoint step" in (logs / "process_0.log").read_text()
-    rows = read_metrics(run)
-    counts = collections.Counter((r["step"], r["split"], r["task"]) for r in rows)
-    assert max(counts.values()) == 1, [k for k, n in counts.items() if n > 1][:5]
-    a = [r["loss"] for r in sorted(_train_rows(reference), key=lambda r: r["step"])]
-    b = [r["loss"] for r in sorted(_train_rows(run), key=lambda r: r["step"])]
-    assert len(a) == len(b) == STEPS
-    assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
