@@ -56,6 +56,18 @@ if (os.environ.get("KTX_TEST_COMPILATION_CACHE") != "0"
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 
+# One folder of converted input rows per test session (`ktx.data.task_rows`'s npz cache),
+# shared like the compilation cache: a test that trains on the deterministic built-in
+# mixture `synthetic_quickstart` passes `tests.row_cache.flag()` to `ktx train`, and the
+# same rows (same lengths, packing, seed and process shard) are converted from SeqIO once
+# per session instead of in every run and every process a test starts (3.5-7 s of a
+# tiny run's start). Only for tasks whose rows never change within a session: the cache
+# key names the task, not its data files. `KTX_TEST_ROW_CACHE` is the folder.
+_CREATED_ROW_CACHE = None
+if not os.environ.get("KTX_TEST_ROW_CACHE"):
+    os.environ["KTX_TEST_ROW_CACHE"] = _CREATED_ROW_CACHE = tempfile.mkdtemp(prefix="ktx-test-rows-")
+
+
 # Per-test compile counts and seconds when KTX_TEST_COMPILE_STATS=FILE is set (inert
 # otherwise): `KTX_TEST_COMPILE_STATS=/tmp/stats.jsonl make test`.
 pytest_plugins = ["tests.compile_stats"]
@@ -68,8 +80,9 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    if _CREATED_CACHE:  # the process that made it (xdist's controller): workers are done
-        shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
+    for created in (_CREATED_CACHE, _CREATED_ROW_CACHE):
+        if created:  # the process that made it (xdist's controller): workers are done
+            shutil.rmtree(created, ignore_errors=True)
 
 
 import pytest

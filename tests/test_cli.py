@@ -12,6 +12,7 @@ import pytest
 
 from ktx import cli
 from ktx.training.summaries import read_metrics
+from tests import row_cache
 from tests.tiny_t5_gin import tiny_t5_gin
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -141,6 +142,7 @@ def _flags(model_gin, model_dir, steps):
         "--gin.train_script.train.log_period=2",
         "--gin.train_script.train.checkpoint_period=2",
         "--gin.optimizers.rsqrt_schedule.warmup_steps=100",
+        row_cache.flag(),
     ]
 
 

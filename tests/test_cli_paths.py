@@ -15,6 +15,7 @@ import gin
 import pytest
 
 from ktx import cli
+from tests import row_cache
 from tests.tiny_t5_gin import tiny_t5_gin
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ def _common(model_dir_flag: str) -> list[str]:
 def test_train_eval_infer_with_relative_paths(workdir, capsys):
     assert cli.main(["train", "--gin_file=runs/train.gin", *_common("--gin.MODEL_DIR='runs/rel'"),
                      "--gin.TRAIN_STEPS=2", "--gin.BATCH_SIZE=8",
-                     "--gin.train_script.train.checkpoint_period=2"]) == 0
+                     "--gin.train_script.train.checkpoint_period=2", row_cache.flag()]) == 0
     run = workdir / "runs" / "rel"
     assert (run / "checkpoints" / "2" / "state").is_dir()
     # The operative config records the absolute run directory.
@@ -183,7 +184,7 @@ def _corrupt(step_dir: pathlib.Path) -> None:
 
 def test_corrupt_checkpoint_resume_and_eval_use_the_last_good_step(workdir, capsys):
     flags = ["--gin_file=runs/train.gin", *_common("--gin.MODEL_DIR='runs/c'"), "--gin.BATCH_SIZE=8",
-             "--gin.train_script.train.checkpoint_period=2"]
+             "--gin.train_script.train.checkpoint_period=2", row_cache.flag()]
     assert cli.main(["train", *flags, "--gin.TRAIN_STEPS=4"]) == 0
     ckpts = workdir / "runs" / "c" / "checkpoints"
     _corrupt(ckpts / "4")

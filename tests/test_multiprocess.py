@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from tests import row_cache
 from tests.xla_env import with_devices
 
 from ktx.training.summaries import read_metrics
@@ -40,6 +41,7 @@ def _flags(model_gin: pathlib.Path, model_dir: pathlib.Path) -> list[str]:
         # Every process reads the whole tasks (the one-process stream, sliced): the two
         # runs see the same rows. Sharded input: tests/test_multiprocess_faults.py.
         "--gin.pipeline.MultiTaskInput.shard_by_process=False",
+        row_cache.flag(),
     ]
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from tests import row_cache
 from tests.xla_env import with_devices
 
 from ktx.training.summaries import read_metrics
@@ -45,6 +46,7 @@ def _launch(model_gin: pathlib.Path, model_dir: pathlib.Path, logs: pathlib.Path
         f"--gin.TRAIN_STEPS={STEPS}", "--gin.BATCH_SIZE=16", "--gin.NUM_PARTITIONS=2",
         "--gin.train_script.train.log_period=1",
         f"--gin.train_script.train.checkpoint_period={CHECKPOINT_PERIOD}",
+        row_cache.flag(),
     ]
     port = _free_port()
     env = with_devices(4)

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 
 import pytest
+from tests import row_cache
 from tests.xla_env import with_devices
 
 from tests.test_multiprocess_faults import KTX, REPO, _free_port, _train_rows, _wait_all
@@ -35,6 +36,7 @@ def _run(tmp: pathlib.Path, balanced: bool) -> list[float]:
         # batches, each process's shares of a task differing by a row from step to step.
         f"--gin.TRAIN_STEPS={STEPS}", "--gin.BATCH_SIZE=16", "--gin.NUM_PARTITIONS=2",
         "--gin.train_script.train.log_period=1",
+        row_cache.flag(),
     ]
     port = _free_port()
     env = with_devices(4)

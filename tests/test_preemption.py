@@ -17,6 +17,7 @@ import textwrap
 import time
 
 import pytest
+from tests import row_cache
 from tests.xla_env import with_devices
 
 from ktx.runs.preemption import EXIT_PREEMPTED, PreemptionGuard
@@ -43,6 +44,7 @@ def _launch(model_gin, model_dir, logs, processes: int) -> list:
         "--gin.train_script.train.log_period=1",
         "--gin.train_script.train.checkpoint_period=1000",
         f"--gin.train_script.train.preemption_timeout={BOUND}",
+        row_cache.flag(),
     ]
     env = with_devices(4)
     logs.mkdir(parents=True, exist_ok=True)
@@ -228,7 +230,7 @@ def test_sigterm_during_an_evaluation_exits_within_the_timeout(tmp_path):
     p = subprocess.Popen(
         [KTX, "train", "--gin_file=runs/quickstart.gin", f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
          "--gin.TRAIN_STEPS=40", "--gin.LOG_PERIOD=1", "--gin.EVAL_PERIOD=5",
-         "--gin.train_script.train.preemption_timeout=2"],
+         "--gin.train_script.train.preemption_timeout=2", row_cache.flag()],
         cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while "step 5/40" not in log.read_text():

@@ -14,6 +14,7 @@ import pytest
 
 from ktx import cli, convert
 from ktx.training.summaries import read_metrics
+from tests import row_cache
 from tests.convert.conftest import checkpoint_fixture
 
 
@@ -45,6 +46,7 @@ def _train(run: str, initial: str, model_gin: str) -> list[str]:
         "--gin.train_script.train.log_period=1", "--gin.train_script.train.checkpoint_period=3",
         "--gin.train_script.train.norm_metrics=True",
         "--gin.optimizers.rsqrt_schedule.warmup_steps=100",
+        row_cache.flag(),
     ]
 
 
