@@ -4,9 +4,9 @@ validation at the last step."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 
+from tests import row_cache
 from tests.tiny_t5_gin import tiny_t5_gin
 
 RUN_GIN = """
@@ -54,7 +54,7 @@ def write_tiny_study(folder: pathlib.Path, steps: int = 2, extra: str = "") -> p
     (folder / "model.gin").write_text(tiny_t5_gin())
     # The runs share their converted rows (the study's runs read the same tasks; rows are
     # cached per seed), as a study on real data would; here the test session's folder.
-    (folder / "run.gin").write_text(RUN_GIN.format(steps=steps, rows=os.environ["KTX_TEST_ROW_CACHE"]))
+    (folder / "run.gin").write_text(RUN_GIN.format(steps=steps, rows=row_cache.folder()))
     path = folder / "tiny_study.gin"
     path.write_text(STUDY_GIN.format(directory=folder / "study", model=folder / "model.gin",
                                      run=folder / "run.gin") + extra)
