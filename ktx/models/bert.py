@@ -278,13 +278,13 @@ class BertEmbeddings(nn.Module):
 
     def setup(self):
         init = nn.initializers.normal(stddev=0.02)
-        self.word_embeddings = nn.Embed(
+        self.word_embeddings = _Embed(
             self.vocab_size, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
             embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)))
-        self.position_embeddings = nn.Embed(
+        self.position_embeddings = _Embed(
             self.max_position, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
             embedding_init=nn.with_logical_partitioning(init, (None, EMBED)))
-        self.token_type_embeddings = nn.Embed(
+        self.token_type_embeddings = _Embed(
             self.type_vocab_size, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
             embedding_init=nn.with_logical_partitioning(init, (None, EMBED)))
         self.layer_norm = _layer_norm(self.layer_norm_eps, self.dtype, "layer_norm")
@@ -306,6 +306,17 @@ class BertEmbeddings(nn.Module):
     def attend(self, x: Array) -> Array:
         """`[..., E] -> [..., V]` float32 dot products with every word embedding."""
         return self.word_embeddings.attend(jnp.asarray(x, jnp.float32))
+
+
+class _Embed(nn.Embed):
+    """`nn.Embed` whose rows are gathered in float32 and then cast to `dtype`: the same
+    values, but the table's gradient is scatter-added in float32 (in bfloat16 it is
+    slow on a GPU and inexact; see `ktx.param_gather._rows`)."""
+
+    def __call__(self, inputs: Array) -> Array:
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(f"{self.name}: token ids must be integers, got dtype {inputs.dtype}")
+        return jnp.asarray(jnp.take(self.embedding, inputs, axis=0), self.dtype)
 
 
 class BertAttention(nn.Module):

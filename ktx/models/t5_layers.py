@@ -268,7 +268,9 @@ class RelativePositionBiases(nn.Module):
         buckets = relative_position_bucket(
             relative, bidirectional, self.num_buckets, self.max_distance
         )
-        values = jnp.take(jnp.asarray(table, self.dtype), buckets, axis=1)  # [H, Lq, Lk]
+        # Looked up in float32, then cast: the gradient is scatter-added in float32 (see
+        # `param_gather.take`).
+        values = jnp.asarray(jnp.take(table, buckets, axis=1), self.dtype)  # [H, Lq, Lk]
         return values[None]
 
 

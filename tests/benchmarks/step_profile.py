@@ -22,10 +22,13 @@ goes. On the CPU the same summary reads XLA:CPU's thunk events.
 
     PYTHONPATH=. python tests/benchmarks/step_profile.py --model t5 --t5_size tiny \
         --profile plain,metabalance
+    PYTHONPATH=. python tests/benchmarks/step_profile.py --model t5 --t5_size small \
+        --dtype bfloat16 --scan_layers --le 512 --ld 128 --rows_per_task 16 \
+        --variants plain,metabalance --profile_steps 3     # batch 64, on a GPU
 
 Last line: one JSON object (`variants`: ms per step, median and min, ratio to the
 variant's plain counterpart, and the step's outputs, its state and metrics leaves;
-`profile`: the summaries).
+`profile`: the summaries, each device's kernels by count and by time).
 """
 
 from __future__ import annotations
@@ -85,7 +88,10 @@ def build(args, name) -> Run:
     spec = VARIANTS[name]
     if args.model == "t5":
         model, batch, _ = _t5_setup(args.rows_per_task, spec.get("dropout", 0.1),
-                                    T5_SIZES[args.t5_size], (args.le, args.ld))
+                                    {**T5_SIZES[args.t5_size], "dtype": args.dtype,
+                                     "scan_layers": args.scan_layers,
+                                     "remat_policy": args.remat_policy},
+                                    (args.le, args.ld))
     else:
         model, batch, _ = _recsys_setup(args.rows_per_task, spec.get("dropout", 0.5))
     balancer = spec.get("balancer")
@@ -157,6 +163,9 @@ def summarize(xplane, steps, top):
                 out["top_kernels"] = [
                     [k, round(names[k] / steps, 1), round(name_ns[k] / steps / 1e3, 1)]
                     for k, _ in names.most_common(top)]
+                out["top_kernels_by_time"] = [
+                    [k, round(names[k] / steps, 1), round(v / steps / 1e3, 1)]
+                    for k, v in name_ns.most_common(top)]
             if ops:
                 out["ops_per_step"] = round(sum(ops.values()) / steps, 1)
                 out["top_ops"] = [
@@ -188,6 +197,11 @@ def main(argv=None):
     p.add_argument("--t5_size", choices=tuple(T5_SIZES), default="tiny")
     p.add_argument("--le", type=int, default=32, help="T5 encoder length")
     p.add_argument("--ld", type=int, default=8, help="T5 decoder length")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="T5 activation dtype (T5Config.dtype)")
+    p.add_argument("--scan_layers", action="store_true", help="T5 layers under lax.scan")
+    p.add_argument("--remat_policy", choices=("none", "minimal", "dots", "full"),
+                   default="none", help="T5 rematerialization (T5Config.remat_policy)")
     p.add_argument("--rows_per_task", type=int, default=None,
                    help="default: 4 (T5), 64 (recsys), as per_task_grads.py")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -241,6 +255,9 @@ def main(argv=None):
     print(json.dumps({
         "benchmark": "step_profile", "model": args.model,
         "t5_size": args.t5_size if args.model == "t5" else None,
+        "t5_config": ({"dtype": args.dtype, "scan_layers": args.scan_layers,
+                       "remat_policy": args.remat_policy, "lengths": [args.le, args.ld]}
+                      if args.model == "t5" else None),
         "rows_per_task": args.rows_per_task, "device": str(jax.devices()[0]),
         "jax": jax.__version__, "variants": variants, "profile": profile}))
     return 0
