@@ -287,3 +287,17 @@ def step_flops(compiled: Any) -> tuple[float | None, float | None, float | None]
     matmuls = matmul_flops(text) if text else None
     known = [f for f in (xla, matmuls) if f]
     return (max(known) if known else None), xla, matmuls
+
+
+def flops_per_step(jitted: Any, state: Any, batch: Any, rng: Any,
+                    steps: int | None = None) -> float | None:
+    """The FLOPs one device runs per step of the executable `jitted` just ran for these
+    arguments (JAX caches it: no compile here): the larger of XLA's cost analysis (loop
+    bodies once: one step of a `steps`-step scan) and the matmuls with loops counted by
+    their trip counts (`step_flops`; divided by `steps`). None when neither is
+    available."""
+    _, xla, matmuls = step_flops(jitted.lower(state, batch, rng).compile())
+    if matmuls is not None and steps:
+        matmuls /= steps
+    known = [f for f in (xla, matmuls) if f]
+    return max(known) if known else None

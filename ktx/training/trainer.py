@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ktx import treepath
 from ktx import partitioning
 from ktx.models.base import BaseModel
+from ktx.training import hlo_cost
 from ktx.training.optimizers import TaskOptimizer
 # The step, re-exported: `ktx.training.trainer` has been its home, and callers use both.
 from ktx.training.step import (  # noqa: F401
@@ -89,22 +90,6 @@ def _flat_by_name(tree: Any) -> dict[str, Any]:
 
 def _zeros_batch(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     return {k: jnp.zeros(v.shape, v.dtype) for k, v in batch.items()}
-
-
-def _flops_per_step(jitted: Any, state: Any, batch: Any, rng: Any,
-                    steps: int | None = None) -> float | None:
-    """The FLOPs one device runs per step of the executable `jitted` just ran for these
-    arguments (JAX caches it: no compile here): the larger of XLA's cost analysis (loop
-    bodies once: one step of a `steps`-step scan) and the matmuls with loops counted by
-    their trip counts (`ktx.training.hlo_cost.step_flops`; divided by `steps`). None when
-    neither is available."""
-    from ktx.training.hlo_cost import step_flops
-
-    _, xla, matmuls = step_flops(jitted.lower(state, batch, rng).compile())
-    if matmuls is not None and steps:
-        matmuls /= steps
-    known = [f for f in (xla, matmuls) if f]
-    return max(known) if known else None
 
 
 class Trainer:
@@ -473,7 +458,7 @@ class Trainer:
             fn = self._compiled_step(*key)
             new_state, metrics = fn(state, global_batch, rng)
             if key not in self._step_flops:
-                self._step_flops[key] = _flops_per_step(fn, new_state, global_batch, rng,
+                self._step_flops[key] = hlo_cost.flops_per_step(fn, new_state, global_batch, rng,
                                                         steps)
         self.last_step_flops = self._step_flops[key]
         if step is not None:
