@@ -19,9 +19,15 @@ from ktx.models import bert, encoder, smart
 from ktx.models.base import with_row_ids
 from ktx.training import checkpoints, optimizers
 from ktx.training import trainer as trainer_lib
-from tests.models.test_encoder_options import KINDS, _batch, _model, _params
+from tests.models.test_encoder_options import CONFIG, KINDS, _batch, _model, _params
 
 V, E, L = 6, 3, 2
+# The train-step tests' encoder: one layer (the paths they compare differ by rows and
+# tasks, not by depth); a SMART step's program compiles in a third to a half less time
+# than with CONFIG's two. (`test_mu_zero_is_the_stateless_step_bit_for_bit` keeps CONFIG:
+# its by-hand step's rounding is checked to 1e-6, which the one-layer step misses by one
+# element's last digits.)
+ONE_LAYER = bert.BertConfig(**{**CONFIG.__dict__, "num_layers": 1})
 
 
 class _MeanLinear(nn.Module):
@@ -199,7 +205,7 @@ def test_every_encoder_model(kind):
 def test_trains_with_a_balancer_and_frozen_layers():
     """SMART through the one Trainer: PCGrad's per-task gradients (task blocks) and the
     base's frozen layers (bit-identical after the step)."""
-    base = _model("plain", shared_layers=1, frozen_layers=1)
+    base = _model("plain", config=ONE_LAYER, shared_layers=1, frozen_layers=1)
     sm = smart.SmartModel(base, weight=1.0, noise_std=1e-2, step_size=1e-2, epsilon=1e-2)
     assert sm.frozen_patterns == base.frozen_patterns
     tr = trainer_lib.Trainer(sm, optimizers.adamw(1e-2), balancer=optim.pcgrad(seed=0))
@@ -351,9 +357,21 @@ def _counts_input():
     return (4, 4)
 
 
-def _steps(tr, n, batches=None):
-    """`n` steps of `tr` from a fresh state: (state, [n] losses, [n + 1] params, [n] aux)."""
-    state = tr.init_state(jax.random.key(0), _batch())
+def _steps(tr, n, batches=None, initial=None):
+    """`n` steps of `tr` from a fresh state: (state, [n] losses, [n + 1] params, [n] aux).
+    `initial`: a dict of fresh states (host arrays) of earlier trainers of the same model
+    by their state's tree structure: one found there is placed on this trainer's
+    shardings instead of compiling its init again; one initialized here is added."""
+    if initial is None:
+        state = tr.init_state(jax.random.key(0), _batch())
+    else:
+        tr.create_abstract_state(_batch())
+        key = jax.tree.structure(tr.abstract_state)
+        if key in initial:
+            state = jax.device_put(initial[key], tr.state_shardings)
+        else:
+            state = tr.init_state(jax.random.key(0), _batch())
+            initial[key] = jax.device_get(state)
     params, losses, auxes = [jax.device_get(state.params)], [], []
     for step in range(n):
         batch = _batch() if batches is None else batches(step)
@@ -409,15 +427,16 @@ def test_task_blocks_vjp_and_microbatches_equal_the_whole_batch_with_dropout():
     """With dropout on, the adversarial and the proximal term, 3 steps: per-task blocks,
     the one-hot VJP (summed by vanilla_multi) and 2 microbatches give the plain step's
     losses, parameters and teacher."""
-    base = _model("plain")
+    base = _model("plain", config=ONE_LAYER)
     assert base.config.dropout_rate > 0
+    initial = {}  # the paths' initial states: the plain run's where they are alike
 
     def run(**kwargs):
         # SGD: Adam would blow the rounding noise of gradients that are 0 in exact
         # arithmetic (the attention key bias) up to full-size, path-dependent steps.
         tr = trainer_lib.Trainer(_smart(base, proximal_weight=1.0, teacher_momentum=0.5),
                                  optax.sgd(0.5), **kwargs)
-        state, losses, _, auxes = _steps(tr, 3)
+        state, losses, _, auxes = _steps(tr, 3, initial=initial)
         return losses, jax.device_get(state.params), jax.device_get(state.model_state), auxes
 
     plain = run()
@@ -460,7 +479,8 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path):
     from ktx.training.summaries import read_metrics
 
     def kwargs(model_dir, mu=1.0):
-        return dict(model=_smart(_model("plain"), proximal_weight=mu, teacher_momentum=0.6),
+        return dict(model=_smart(_model("plain", config=ONE_LAYER), proximal_weight=mu,
+                                 teacher_momentum=0.6),
                     train_input=_EncoderInput(), model_dir=model_dir,
                     optimizer=optimizers.adamw(3e-2), log_period=1, checkpoint_period=2)
 
@@ -481,7 +501,7 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path):
                            _flat(jax.device_get(straight.params))["task_heads/task_0/kernel"])
     for mu, match in ((0.0, "holds a model state of .* but the model carries none"),
                       (1.0, "holds no model state")):
-        tr = trainer_lib.Trainer(_smart(_model("plain"), proximal_weight=mu),
+        tr = trainer_lib.Trainer(_smart(_model("plain", config=ONE_LAYER), proximal_weight=mu),
                                  optimizers.adamw(3e-2))
         abstract, _ = tr.create_abstract_state(_batch())
         saved = tmp_path / ("straight" if mu == 0.0 else "plain")
@@ -496,7 +516,7 @@ def test_initial_checkpoint_sets_the_teacher_to_its_params(tmp_path):
     from ktx.runs.train import _restore_or_init
     from ktx.runs.run_dir import RunDir
 
-    sm = _smart(_model("plain"), proximal_weight=1.0)
+    sm = _smart(_model("plain", config=ONE_LAYER), proximal_weight=1.0)
     tr = trainer_lib.Trainer(sm, optimizers.adamw(3e-2))
     state = tr.init_state(jax.random.key(7), _batch())
     manager = checkpoints.CheckpointManager(tmp_path / "source")
@@ -523,7 +543,7 @@ def test_teacher_is_sharded_like_the_params_on_a_2x4_mesh():
     mesh = partitioning.create_mesh(4)
     assert dict(mesh.shape) == {"data": 2, "model": 4}
     # 4 heads: the heads axis splits over the 4-way model axis.
-    config = bert.BertConfig(vocab_size=40, hidden_size=16, num_layers=2, num_heads=4,
+    config = bert.BertConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=4,
                              intermediate_size=32, max_position=16)
     sm = _smart(_model("plain", config=config), proximal_weight=1.0)
     tr = trainer_lib.Trainer(sm, optimizers.adamw(3e-2), mesh=mesh)
@@ -610,12 +630,15 @@ def test_multi_step_scan_carries_the_teacher():
     """`Trainer.train_steps` (K steps in one `lax.scan`) carries the teacher as K
     `train_step` calls do."""
     def make():
-        return trainer_lib.Trainer(_smart(_model("plain"), proximal_weight=1.0,
+        return trainer_lib.Trainer(_smart(_model("plain", config=ONE_LAYER), proximal_weight=1.0,
                                           teacher_momentum=0.5), optax.sgd(0.5))
 
-    one_by_one, losses, _, _ = _steps(make(), 2)
+    initial = {}
+    one_by_one, losses, _, _ = _steps(make(), 2, initial=initial)
     tr = make()
-    state = tr.init_state(jax.random.key(0), _batch())
+    tr.create_abstract_state(_batch())
+    (state,) = initial.values()  # the same initial state, its init not compiled again
+    state = jax.device_put(state, tr.state_shardings)
     stacked = {k: np.stack([np.asarray(v)] * 2) for k, v in _batch().items()}
     state, metrics = tr.train_steps(state, stacked, jax.random.key(1), task_counts=(4, 4))
     np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-5)
