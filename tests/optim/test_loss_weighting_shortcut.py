@@ -6,6 +6,8 @@ with unshared (tower) parameters summed rather than weighted."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +72,32 @@ def test_shortcut_with_diagnostics_takes_the_per_task_path_on_their_steps():
         assert any(np.any(v != 0) for v in jax.tree.leaves(a)) == bool(logged)
 
 
+_WEIGHTS = (0.5, 2.0, 3.0, 0.25)
+
+
+@functools.cache
+def _combined_task_gradients(model_name):
+    """`(task losses, Σ_t w_t ∇L_t)` of `model_batch_params(model_name)` under dropout
+    (rng `key(7)`), from per-task gradients: jitted once for the dense and the sparse test."""
+    model, batch, params = model_batch_params(model_name)
+    rng, normalizer = jax.random.key(7), model.normalizer(batch)
+
+    @jax.jit
+    def ref(p):
+        ref_losses, _, tg = optim.compute_task_gradients(
+            lambda q, b: model.loss_sums(q, b, rng, True), normalizer, p, batch, num_tasks=4,
+            task_counts=COUNTS)
+        return ref_losses, combine_with_weights(tg, jnp.asarray(_WEIGHTS))
+
+    return ref(params)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _file_caches():
+    yield
+    _combined_task_gradients.cache_clear()
+
+
 @pytest.mark.parametrize("model_name,sparse", [("t5", False), ("t5", True), ("recsys", False),
                                                ("recsys", True)])
 def test_loss_weighted_gradient_equals_the_combined_task_gradients(model_name, sparse):
@@ -77,7 +105,7 @@ def test_loss_weighted_gradient_equals_the_combined_task_gradients(model_name, s
     tables dense or through their looked-up rows."""
     model, batch, params = model_batch_params(model_name)
     rng, normalizer = jax.random.key(7), model.normalizer(batch)
-    w = jnp.asarray([0.5, 2.0, 3.0, 0.25])
+    w = jnp.asarray(_WEIGHTS)
     mask = optim.shared_mask(params)
     if model_name == "recsys":
         assert not all(jax.tree.leaves(mask))  # the towers are unshared
@@ -86,15 +114,14 @@ def test_loss_weighted_gradient_equals_the_combined_task_gradients(model_name, s
         return model.loss_sums(p, b, rng, True)
 
     @jax.jit
-    def both(p):
+    def shortcut(p):
         losses, _, grad, out = optim.loss_weighted_gradient(
             loss_sums, normalizer, p, batch, lambda losses: (w, losses), num_tasks=4,
             sparse_tables=model.sparse_table_patterns if sparse else None)
-        ref_losses, _, tg = optim.compute_task_gradients(
-            loss_sums, normalizer, p, batch, num_tasks=4, task_counts=COUNTS)
-        return losses, out, grad, ref_losses, combine_with_weights(tg, w)
+        return losses, out, grad
 
-    losses, seen, grad, ref_losses, ref = both(params)
+    losses, seen, grad = shortcut(params)
+    ref_losses, ref = _combined_task_gradients(model_name)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     np.testing.assert_array_equal(seen, losses)  # weights_fn sees the step's losses
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grad, ref)
