@@ -457,7 +457,8 @@ def test_bert_family_scanned_stacks_gather_their_layers():
     mesh = partitioning.create_mesh(2)  # 4 x 2
     rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=2)
     for name, model in models.items():
-        boxed = model.init_variables(jax.random.key(0), batch)["params"]
+        boxed = jax.jit(lambda r, model=model: model.init_variables(r, batch)["params"])(
+            jax.random.key(0))  # jitted: one compile, not op by op
         params = nn.meta.unbox(boxed)
         norm = model.normalizer(batch)
 
@@ -505,16 +506,16 @@ def test_hyperprompt_global_in_the_region_updates_as_on_one_device():
         tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=BALANCERS["metabalance"](),
                                  mesh=m, rules=rules, weights_from_losses=False)
         state = tr.init_state(jax.random.key(0), batch)
+        initial = jax.device_get(state.params)  # read before the steps donate it
         for step in range(2):
             state, _ = tr.train_step(state, batch, jax.random.key(1), task_counts=ONE_TASK_EACH)
-        return tr, jax.device_get(state.params)
+        return tr, initial, jax.device_get(state.params)
 
-    _, expected = run(partitioning.create_mesh(1, devices=jax.devices()[:1]), 1)
-    tr, got = run(partitioning.create_mesh(2), 2)
+    _, _, expected = run(partitioning.create_mesh(1, devices=jax.devices()[:1]), 1)
+    tr, initial, got = run(partitioning.create_mesh(2), 2)
     assert [k[0] for k in tr._compiled] == [("devices", 1)], list(tr._compiled)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=0, atol=1e-6 * np.abs(b).max()), got, expected)
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(),
-                         got["conditioning"], jax.device_get(tr.init_state(
-                             jax.random.key(0), batch).params["conditioning"]))
+                         got["conditioning"], initial["conditioning"])
     assert all(v > 0 for v in jax.tree.leaves(moved))  # every hyper-network trained
