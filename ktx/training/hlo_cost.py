@@ -290,7 +290,7 @@ def step_flops(compiled: Any) -> tuple[float | None, float | None, float | None]
 
 
 def flops_per_step(jitted: Any, state: Any, batch: Any, rng: Any,
-                    steps: int | None = None) -> float | None:
+                   steps: int | None = None) -> float | None:
     """The FLOPs one device runs per step of the executable `jitted` just ran for these
     arguments (JAX caches it: no compile here): the larger of XLA's cost analysis (loop
     bodies once: one step of a `steps`-step scan) and the matmuls with loops counted by
