@@ -304,7 +304,8 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.layer_norm(x), deterministic=deterministic)
 
     def attend(self, x: Array) -> Array:
-        """`[..., E] -> [..., V]` float32 dot products with every word embedding."""
+        """`[..., E] -> [..., V]` dot products with every word embedding, in the module's
+        `dtype` (`nn.Embed.attend` casts the query and the table to it)."""
         return self.word_embeddings.attend(jnp.asarray(x, jnp.float32))
 
 
