@@ -4,6 +4,7 @@ contract (task blocks = whole batch), and training with every ktx encoder classi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -27,7 +28,7 @@ V, E, L = 6, 3, 2
 # than with CONFIG's two. (`test_mu_zero_is_the_stateless_step_bit_for_bit` keeps CONFIG:
 # its by-hand step's rounding is checked to 1e-6, which the one-layer step misses by one
 # element's last digits.)
-ONE_LAYER = bert.BertConfig(**{**CONFIG.__dict__, "num_layers": 1})
+ONE_LAYER = dataclasses.replace(CONFIG, num_layers=1)
 
 
 class _MeanLinear(nn.Module):
