@@ -67,6 +67,12 @@ _CREATED_ROW_CACHE = None
 if not os.environ.get("KTX_TEST_ROW_CACHE"):
     os.environ["KTX_TEST_ROW_CACHE"] = _CREATED_ROW_CACHE = tempfile.mkdtemp(prefix="ktx-test-rows-")
 
+# One folder per test session for runs that several slow tests only read
+# (`tests.multiprocess_runs.sharded_reference`), trained by the first worker that asks.
+_CREATED_SHARED_RUNS = None
+if not os.environ.get("KTX_TEST_SHARED_RUNS"):
+    os.environ["KTX_TEST_SHARED_RUNS"] = _CREATED_SHARED_RUNS = tempfile.mkdtemp(prefix="ktx-test-runs-")
+
 
 # Per-test compile counts and seconds when KTX_TEST_COMPILE_STATS=FILE is set (inert
 # otherwise): `KTX_TEST_COMPILE_STATS=/tmp/stats.jsonl make test`.
@@ -80,7 +86,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    for created in (_CREATED_CACHE, _CREATED_ROW_CACHE):
+    for created in (_CREATED_CACHE, _CREATED_ROW_CACHE, _CREATED_SHARED_RUNS):
         if created:  # the process that made it (xdist's controller): workers are done
             shutil.rmtree(created, ignore_errors=True)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -18,61 +17,28 @@ import time
 
 import pytest
 from tests import row_cache
+from tests.multiprocess_runs import (
+    KTX, REPO, flags, launch, sharded_reference, train_losses, wait_all,
+)
 from tests.xla_env import with_devices
 
 from ktx.runs.preemption import EXIT_PREEMPTED, PreemptionGuard
-from ktx.training.summaries import read_metrics
 from tests.tiny_t5_gin import tiny_t5_gin
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-KTX = str(pathlib.Path(sys.executable).parent / "ktx")
 STEPS, SIGNAL_AFTER, BOUND = 40, 12, 30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _launch(model_gin, model_dir, logs, processes: int) -> list:
-    flags = [
-        "--gin_file=runs/train.gin", f"--gin_file={model_gin}", "--gin.NUM_TASKS=4",
-        f"--gin.MODEL_DIR='{model_dir}'", "--gin.MIXTURE_OR_TASK_NAME='synthetic_quickstart'",
-        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-        f"--gin.TRAIN_STEPS={STEPS}", "--gin.BATCH_SIZE=16", "--gin.NUM_PARTITIONS=2",
-        "--gin.train_script.train.log_period=1",
-        "--gin.train_script.train.checkpoint_period=1000",
-        f"--gin.train_script.train.preemption_timeout={BOUND}",
-        row_cache.flag(),
-    ]
-    env = with_devices(4)
+    train_flags = flags(model_gin, model_dir, STEPS,
+                        "--gin.train_script.train.checkpoint_period=1000",
+                        f"--gin.train_script.train.preemption_timeout={BOUND}")
+    if processes == 2:
+        return launch(train_flags, logs, heartbeat=20)
+    # One process, and async checkpoints: the preemption save still completes.
     logs.mkdir(parents=True, exist_ok=True)
-    if processes == 1:  # and async checkpoints: the preemption save still completes
-        commands = [[KTX, "train", *flags, "--gin.train_script.train.async_checkpoints=True"]]
-    else:
-        port = _free_port()
-        commands = [[KTX, "train", *flags, "--multihost", f"--coordinator_address=localhost:{port}",
-                     f"--num_processes={processes}", f"--process_id={i}", "--heartbeat_timeout=20"]
-                    for i in range(processes)]
-    return [subprocess.Popen(c, cwd=REPO, env=env, stdout=open(logs / f"process_{i}.log", "w"),
-                             stderr=subprocess.STDOUT) for i, c in enumerate(commands)]
-
-
-def _wait(procs, logs, expected=0) -> None:
-    for i, p in enumerate(procs):
-        try:
-            rc = p.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"process {i} did not finish in 900 s")
-        assert rc == expected, f"process {i}: {rc}\n{(logs / f'process_{i}.log').read_text()[-3000:]}"
-
-
-def _losses(model_dir) -> list[float]:
-    rows = [r for r in read_metrics(model_dir) if r["split"] == "train" and r["task"] == "all"]
-    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"])]
+    return [subprocess.Popen([KTX, "train", *train_flags, "--gin.train_script.train.async_checkpoints=True"],
+                             cwd=REPO, env=with_devices(4), stdout=open(logs / "process_0.log", "w"),
+                             stderr=subprocess.STDOUT)]
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +51,18 @@ def model_gin(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [2, 1])
 def test_sigterm_checkpoints_the_step_and_resumes_exactly(tmp_path, model_gin, processes):
-    reference = tmp_path / "reference"
-    _wait(_launch(model_gin, reference, tmp_path / "logs_reference", processes),
-          tmp_path / "logs_reference")
+    if processes == 2:  # the session's uninterrupted two-process run (tests/multiprocess_runs.py)
+        reference = sharded_reference()[1][:STEPS]
+    else:
+        wait_all(_launch(model_gin, tmp_path / "reference", tmp_path / "logs_reference", 1),
+                 tmp_path / "logs_reference")
+        reference = train_losses(tmp_path / "reference")
 
     run, logs = tmp_path / "run", tmp_path / "logs"
     procs = _launch(model_gin, run, logs, processes)
     deadline = time.time() + 600
     while time.time() < deadline:
-        if (run / "metrics.jsonl").is_file() and len(_losses(run)) >= SIGNAL_AFTER:
+        if (run / "metrics.jsonl").is_file() and len(train_losses(run)) >= SIGNAL_AFTER:
             break
         assert all(p.poll() is None for p in procs), "a process ended before the signal"
         time.sleep(0.05)
@@ -104,11 +73,11 @@ def test_sigterm_checkpoints_the_step_and_resumes_exactly(tmp_path, model_gin, p
         if victim.poll() is None:
             victim.send_signal(signal.SIGTERM)
     signalled = time.time()
-    _wait(procs, logs, expected=EXIT_PREEMPTED)
+    wait_all(procs, logs, expected=EXIT_PREEMPTED)
     seconds = time.time() - signalled
     print(f"{processes} process(es): exit status {EXIT_PREEMPTED} {seconds:.1f} s after SIGTERM")
     assert seconds < BOUND
-    stopped = len(_losses(run))
+    stopped = len(train_losses(run))
     assert SIGNAL_AFTER <= stopped < STEPS
     saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [stopped]  # the interrupted step, and no other (the period is 1000)
@@ -118,11 +87,11 @@ def test_sigterm_checkpoints_the_step_and_resumes_exactly(tmp_path, model_gin, p
         assert (f"ktx train: stopped by {who} at step {stopped}; checkpoint step {stopped} is "
                 f"saved in {run / 'checkpoints'}; exit status 75") in log, log[-2000:]
 
-    _wait(_launch(model_gin, run, tmp_path / "logs_resumed", processes), tmp_path / "logs_resumed")
+    wait_all(_launch(model_gin, run, tmp_path / "logs_resumed", processes), tmp_path / "logs_resumed")
     assert f"Resuming from checkpoint step {stopped}" in (
         tmp_path / "logs_resumed" / "process_0.log").read_text()
-    assert len(_losses(reference)) == STEPS
-    assert _losses(run) == _losses(reference)
+    assert len(reference) == STEPS
+    assert train_losses(run) == reference
 
 
 def test_guard_agrees_at_the_step_boundary_and_restores_the_handlers():
