@@ -34,6 +34,11 @@ os.environ["XLA_FLAGS"] = " ".join(
 # malloc mode ("keep") it would hold the largest one's peak to the end. The mode itself is
 # tested in child processes (tests/test_host_malloc.py).
 os.environ.setdefault("KTX_HOST_MALLOC", "system")
+# A relative KTX_DATA_DIR (`KTX_DATA_DIR=../shared/data make test`) names a folder from
+# where the session starts; tests run `ktx` from other folders (monkeypatch.chdir) and
+# start processes there, so the session passes it on absolute.
+if os.environ.get("KTX_DATA_DIR"):
+    os.environ["KTX_DATA_DIR"] = os.path.abspath(os.environ["KTX_DATA_DIR"])
 import pathlib
 import shutil
 import tempfile
