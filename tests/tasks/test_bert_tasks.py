@@ -85,7 +85,16 @@ def test_input_over_registered_tasks(root, vocab_dir):
     assert batch["label"].tolist() == pytest.approx([3.8, 3.8])
 
 
-def test_ktx_train_cs224n_tiny_bert(data_dir, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def rows_flag(tmp_path_factory):
+    """The file's folder of converted CS224N rows (`MultiTaskInput.cache_dir`): its runs
+    read the same real files through the same vocabulary (`write_vocab`'s) at the same
+    lengths, so the first run's conversion serves the others (the cache's key names the
+    task, lengths, packing and seed, not the vocabulary: a folder for this file only)."""
+    return f"--gin.pipeline.MultiTaskInput.cache_dir='{tmp_path_factory.mktemp('cs224n_rows')}'"
+
+
+def test_ktx_train_cs224n_tiny_bert(data_dir, tmp_path, monkeypatch, rows_flag):
     """`ktx train` with models/bert_tiny.gin on the real CS224N mixture, a tiny vocab."""
     if not (data_dir / "cs224n" / "quora-dev.csv").is_file():
         pytest.skip(f"{data_dir}/cs224n/ has no CS224N files")
@@ -98,7 +107,7 @@ def test_ktx_train_cs224n_tiny_bert(data_dir, tmp_path, monkeypatch):
             f"--gin.MODEL_DIR='{model_dir}'", f"--gin.ENCODER_VOCAB='{vocab}'",
             f"--gin.DATA_DIR='{data_dir}'", "--gin.TRAIN_STEPS=3", "--gin.BATCH_SIZE=8",
             "--gin.MAX_SEQ_LENGTH=24", "--gin.train_script.train.log_period=1",
-            "--gin.train_script.train.eval_period=0"])
+            "--gin.train_script.train.eval_period=0", rows_flag])
     finally:  # the CLI sets the process's data folder and bad-row policy from gin
         files.set_data_dir(None)
         files.set_on_bad_row(None)
@@ -114,7 +123,7 @@ def test_ktx_train_cs224n_tiny_bert(data_dir, tmp_path, monkeypatch):
     assert all(r["squared_error"] == pytest.approx(r["loss"]) for r in sts)
 
 
-def _cli_train(data_dir, vocab, model_dir, steps, *extra):
+def _cli_train(data_dir, vocab, model_dir, steps, rows_flag, *extra):
     try:
         rc = cli.main([
             "train", "--gin_file=experiments/cs224n_encoders/bert_tiny.gin",
@@ -125,7 +134,7 @@ def _cli_train(data_dir, vocab, model_dir, steps, *extra):
             "--gin.MT_UNCERTAINTY_PROXIES={'cs224n_sts_bert_v001': 'cs224n_quora_bert_v001'}",
             "--gin.MAX_SEQ_LENGTH=24", "--gin.train_script.train.log_period=1",
             "--gin.train_script.train.checkpoint_period=2",
-            "--gin.train_script.train.eval_period=0", *extra])
+            "--gin.train_script.train.eval_period=0", rows_flag, *extra])
     finally:
         files.set_data_dir(None)
         files.set_on_bad_row(None)
@@ -134,16 +143,16 @@ def _cli_train(data_dir, vocab, model_dir, steps, *extra):
     return [r for r in records if r.get("split") == "train"]
 
 
-def test_ktx_train_mt_uncertainty_resumes_exactly(data_dir, tmp_path, monkeypatch):
+def test_ktx_train_mt_uncertainty_resumes_exactly(data_dir, tmp_path, monkeypatch, rows_flag):
     """runs/mt_uncertainty.gin: 24 candidates (8 per task), 8 trained; each step's rows per
     task follow the model's uncertainty; 2 steps + resume to 4 = 4 steps straight."""
     if not (data_dir / "cs224n" / "quora-dev.csv").is_file():
         pytest.skip(f"{data_dir}/cs224n/ has no CS224N files")
     monkeypatch.chdir(tmp_path)
     vocab = write_vocab(tmp_path / "vocab")
-    straight = _cli_train(data_dir, vocab, tmp_path / "a", 4)
-    _cli_train(data_dir, vocab, tmp_path / "b", 2)
-    resumed = _cli_train(data_dir, vocab, tmp_path / "b", 4)
+    straight = _cli_train(data_dir, vocab, tmp_path / "a", 4, rows_flag)
+    _cli_train(data_dir, vocab, tmp_path / "b", 2, rows_flag)
+    resumed = _cli_train(data_dir, vocab, tmp_path / "b", 4, rows_flag)
 
     def by_step(records, task="all"):
         return {r["step"]: r for r in records if r["task"] == task}
@@ -158,7 +167,7 @@ def test_ktx_train_mt_uncertainty_resumes_exactly(data_dir, tmp_path, monkeypatc
 
 
 def test_ktx_train_mt_uncertainty_needs_a_proxy_for_regression(data_dir, tmp_path, monkeypatch,
-                                                                capsys):
+                                                                capsys, rows_flag):
     if not (data_dir / "cs224n" / "quora-dev.csv").is_file():
         pytest.skip(f"{data_dir}/cs224n/ has no CS224N files")
     monkeypatch.chdir(tmp_path)
@@ -168,7 +177,7 @@ def test_ktx_train_mt_uncertainty_needs_a_proxy_for_regression(data_dir, tmp_pat
                        "--gin_file=runs/mt_uncertainty.gin", f"--gin.MODEL_DIR='{tmp_path / 'c'}'",
                        f"--gin.ENCODER_VOCAB='{vocab}'", f"--gin.DATA_DIR='{data_dir}'",
                        "--gin.TRAIN_STEPS=1", "--gin.BATCH_SIZE=24", "--gin.MT_UNCERTAINTY_ROWS=8",
-                       "--gin.MAX_SEQ_LENGTH=24"])
+                       "--gin.MAX_SEQ_LENGTH=24", rows_flag])
     finally:
         files.set_data_dir(None)
         files.set_on_bad_row(None)
