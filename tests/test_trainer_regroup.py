@@ -165,7 +165,9 @@ def test_train_step_regroups_a_process_grouped_batch():
     read other tasks' rows."""
     process_grouped, grouped = _batches()
     got, p_got = _step(process_grouped, True)
-    want, p_want = _step(grouped, False)
+    # The reference compiles the same program as the unsorted run below (no regrouping, no
+    # layout check), read from the session's compilation cache the second time.
+    want, p_want = _step(grouped, False, check_layout=False)
     for a, b in zip(got, want):
         assert np.isfinite(b["task_losses"]).all() and b["loss"] > 0
         np.testing.assert_allclose(a["task_losses"], b["task_losses"], rtol=1e-5, atol=1e-7)
