@@ -52,19 +52,19 @@ def flags(model_gin: pathlib.Path, model_dir: pathlib.Path, steps: int, *extra: 
     ]
 
 
-def launch(train_flags: list[str], logs: pathlib.Path, *, heartbeat: int | None = None,
-           processes: int = 2) -> list[subprocess.Popen]:
-    """Starts `ktx train` as process 0..processes-1 of one run (4 CPU devices each);
-    process i writes `logs/process_i.log`."""
+def launch(train_flags: list[str], logs: pathlib.Path, *,
+           heartbeat: int | None = None) -> list[subprocess.Popen]:
+    """Starts `ktx train` as processes 0 and 1 of one run (4 CPU devices each); process i
+    writes `logs/process_i.log`."""
     port = free_port()
     logs.mkdir(parents=True, exist_ok=True)
     beat = [] if heartbeat is None else [f"--heartbeat_timeout={heartbeat}"]
     return [subprocess.Popen(
         [KTX, "train", *train_flags, "--multihost", f"--coordinator_address=localhost:{port}",
-         f"--num_processes={processes}", f"--process_id={i}", *beat],
+         "--num_processes=2", f"--process_id={i}", *beat],
         cwd=REPO, env=with_devices(4), stdout=open(logs / f"process_{i}.log", "w"),
         stderr=subprocess.STDOUT,
-    ) for i in range(processes)]
+    ) for i in range(2)]
 
 
 def wait_all(procs: list[subprocess.Popen], logs: pathlib.Path, expected: int = 0) -> None:

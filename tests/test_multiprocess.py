@@ -5,28 +5,18 @@ one process with 8 devices, on the same (data=4, model=2) mesh."""
 from __future__ import annotations
 
 import pathlib
-import socket
 import subprocess
-import sys
 
 import pytest
 from tests import row_cache
+from tests.multiprocess_runs import KTX, REPO, free_port, train_losses
 from tests.xla_env import with_devices
 
-from ktx.training.summaries import read_metrics
 from tests.tiny_t5_gin import tiny_t5_gin
 
 pytestmark = pytest.mark.slow  # processes started, killed and relaunched
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
 MODEL_GIN = tiny_t5_gin()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _flags(model_gin: pathlib.Path, model_dir: pathlib.Path) -> list[str]:
@@ -45,15 +35,10 @@ def _flags(model_gin: pathlib.Path, model_dir: pathlib.Path) -> list[str]:
     ]
 
 
-def _train_losses(model_dir: pathlib.Path) -> list[float]:
-    rows = [r for r in read_metrics(model_dir) if r["split"] == "train" and r["task"] == "all"]
-    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"])]
-
-
 def _run(cmd: list[str], devices: int, tmp_path: pathlib.Path) -> None:
     env = with_devices(devices)
-    env["KTX"] = str(pathlib.Path(sys.executable).parent / "ktx")
-    env["KTX_COORDINATOR_PORT"] = str(_free_port())
+    env["KTX"] = KTX
+    env["KTX_COORDINATOR_PORT"] = str(free_port())
     proc = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )
@@ -64,14 +49,13 @@ def _run(cmd: list[str], devices: int, tmp_path: pathlib.Path) -> None:
 def test_two_processes_match_one(tmp_path):
     model_gin = tmp_path / "model.gin"
     model_gin.write_text(MODEL_GIN)
-    ktx_bin = str(pathlib.Path(sys.executable).parent / "ktx")
 
     single = tmp_path / "single"
-    _run([ktx_bin, "train", *_flags(model_gin, single)], 8, tmp_path)
+    _run([KTX, "train", *_flags(model_gin, single)], 8, tmp_path)
     multi = tmp_path / "multi"
     _run(["bash", "launch/multiprocess.sh", "2", "train", *_flags(model_gin, multi)], 4, tmp_path)
 
-    a, b = _train_losses(single), _train_losses(multi)
+    a, b = train_losses(single), train_losses(multi)
     assert len(a) == 3 and len(b) == 3
     assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
     assert (multi / "checkpoints").is_dir()

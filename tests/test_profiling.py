@@ -14,14 +14,9 @@ from ktx import cli
 from ktx.runs.profiling import check_profile_steps
 from ktx.runs.train import train
 from ktx.training import optimizers
-from ktx.training.summaries import read_metrics
+from tests.multiprocess_runs import train_losses
 from tests.test_trainer import ToyInput, ToyModel
 from tests.tiny_t5_gin import tiny_t5_gin
-
-
-def _losses(model_dir):
-    rows = [r for r in read_metrics(model_dir) if r["split"] == "train" and r["task"] == "all"]
-    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"])]
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 3])
@@ -38,8 +33,8 @@ def test_trace_of_the_steps_and_unchanged_losses(tmp_path, capsys, steps_per_cal
     with gzip.open(perfetto) as f:
         assert json.load(f)["traceEvents"]  # Perfetto's (Chrome) trace format
     assert not (tmp_path / "plain" / "profile").exists()
-    assert len(_losses(tmp_path / "plain")) == 6
-    assert _losses(tmp_path / "profiled") == _losses(tmp_path / "plain")
+    assert len(train_losses(tmp_path / "plain")) == 6
+    assert train_losses(tmp_path / "profiled") == train_losses(tmp_path / "plain")
 
 
 @pytest.mark.parametrize("steps", [(5, 12), (3, 3), (-1, 2), (1,), "1,2", (1.0, 2)])
