@@ -1,8 +1,11 @@
 """Per-test XLA compile counts and seconds, for finding where the suite's time goes.
 
 Opt-in: `KTX_TEST_COMPILE_STATS=FILE pytest -p tests.compile_stats ...` appends one JSON
-line per test to FILE (`nodeid`, `compiles`, `compile_s`, `call_s`), each xdist worker to
-the same file. Summarise with `python -m tests.compile_stats FILE`.
+line per test to FILE (`nodeid`, `compiles`, `compile_s`: XLA's backend compiles;
+`trace_s`, `lower_s`: tracing to jaxprs and lowering them to StableHLO, which the
+persistent compilation cache does not save; `cache_hits`: programs read from that cache
+instead of compiled; `call_s`), each xdist worker to the same file.
+Summarise with `python -m tests.compile_stats FILE`.
 """
 
 from __future__ import annotations
@@ -13,14 +16,23 @@ import os
 import sys
 import time
 
-_EVENT = "/jax/core/compile/backend_compile_duration"
-_state = {"n": 0, "s": 0.0}
+_EVENTS = {"/jax/core/compile/backend_compile_duration": "s",
+           "/jax/core/compile/jaxpr_trace_duration": "trace",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower"}
+_HIT = "/jax/compilation_cache/cache_hits"
+_state = {"n": 0, "s": 0.0, "trace": 0.0, "lower": 0.0, "hits": 0}
 
 
 def _listener(event: str, duration: float, **_: object) -> None:
-    if event == _EVENT:
-        _state["n"] += 1
-        _state["s"] += duration
+    key = _EVENTS.get(event)
+    if key is not None:
+        _state["n"] += key == "s"
+        _state[key] += duration
+
+
+def _event_listener(event: str, **_: object) -> None:
+    if event == _HIT:
+        _state["hits"] += 1
 
 
 def pytest_configure(config):
@@ -29,20 +41,24 @@ def pytest_configure(config):
     import jax.monitoring
 
     jax.monitoring.register_event_duration_secs_listener(_listener)
+    jax.monitoring.register_event_listener(_event_listener)
 
 
 def pytest_runtest_protocol(item, nextitem):
     path = os.environ.get("KTX_TEST_COMPILE_STATS")
     if not path:
         return None
-    n0, s0, t0 = _state["n"], _state["s"], time.perf_counter()
+    before, t0 = dict(_state), time.perf_counter()
     from _pytest.runner import runtestprotocol
 
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     runtestprotocol(item, nextitem=nextitem)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-    record = {"nodeid": item.nodeid, "compiles": _state["n"] - n0,
-              "compile_s": round(_state["s"] - s0, 3),
+    record = {"nodeid": item.nodeid, "compiles": _state["n"] - before["n"],
+              "compile_s": round(_state["s"] - before["s"], 3),
+              "trace_s": round(_state["trace"] - before["trace"], 3),
+              "lower_s": round(_state["lower"] - before["lower"], 3),
+              "cache_hits": _state["hits"] - before["hits"],
               "call_s": round(time.perf_counter() - t0, 3)}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -51,18 +67,19 @@ def pytest_runtest_protocol(item, nextitem):
 
 def main(path: str) -> None:
     rows = [json.loads(line) for line in open(path)]
-    by_file = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
+    keys = ("compiles", "compile_s", "trace_s", "lower_s", "cache_hits", "call_s")
+    by_file = collections.defaultdict(lambda: [0] * (1 + len(keys)))
     for r in rows:
         f = by_file[r["nodeid"].split("::")[0]]
         f[0] += 1
-        f[1] += r["compiles"]
-        f[2] += r["compile_s"]
-        f[3] += r["call_s"]
-    total = [sum(v[i] for v in by_file.values()) for i in range(4)]
-    print(f"{'file':60s} {'tests':>5s} {'compiles':>8s} {'compile_s':>9s} {'wall_s':>8s}")
-    for name, (n, c, cs, ws) in sorted(by_file.items(), key=lambda kv: -kv[1][3])[:40]:
-        print(f"{name:60s} {n:5d} {c:8d} {cs:9.1f} {ws:8.1f}")
-    print(f"{'total':60s} {total[0]:5d} {total[1]:8d} {total[2]:9.1f} {total[3]:8.1f}")
+        for i, k in enumerate(keys, 1):
+            f[i] += r.get(k, 0)
+    total = [sum(v[i] for v in by_file.values()) for i in range(1 + len(keys))]
+    print(f"{'file':56s} {'tests':>5s} {'compiles':>8s} {'compile_s':>9s} {'trace_s':>7s} "
+          f"{'lower_s':>7s} {'hits':>5s} {'wall_s':>8s}")
+    for name, v in [*sorted(by_file.items(), key=lambda kv: -kv[1][-1])[:40], ("total", total)]:
+        print(f"{name:56s} {v[0]:5d} {v[1]:8d} {v[2]:9.1f} {v[3]:7.1f} {v[4]:7.1f} {v[5]:5d} "
+              f"{v[6]:8.1f}")
 
 
 if __name__ == "__main__":
