@@ -133,7 +133,10 @@ def test_ktx_train_and_eval_glue_tiny_bert(data_dir, tmp_path, monkeypatch):
     vocab = write_vocab(tmp_path / "vocab")
     common = ["--gin_file=experiments/glue_encoders/bert_tiny.gin", "--gin.MODEL_DIR='run'",
               f"--gin.ENCODER_VOCAB='{vocab}'", f"--gin.DATA_DIR='{data_dir}'",
-              "--gin.MAX_SEQ_LENGTH=16", f"--gin.VOCAB_SIZE={len(TOKENS)}"]
+              "--gin.MAX_SEQ_LENGTH=16", f"--gin.VOCAB_SIZE={len(TOKENS)}",
+              # `ktx eval` reads the validation rows `ktx train` converted (same files,
+              # vocabulary and lengths)
+              "--gin.pipeline.MultiTaskInput.cache_dir='rows'"]
     try:
         assert cli.main(["train", *common, "--gin.TRAIN_STEPS=3", "--gin.BATCH_SIZE=8",
                          "--gin.label_eval.LabelEvaluator.batch_size=512",

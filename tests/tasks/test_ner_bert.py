@@ -116,7 +116,10 @@ def test_ktx_train_and_eval_ner_tiny_bert(data_dir, tmp_path, monkeypatch):
     vocab = write_vocab(tmp_path / "vocab")
     common = ["--gin_file=experiments/biomed_encoders/ner_bert_tiny.gin",
               "--gin.MODEL_DIR='run'", f"--gin.ENCODER_VOCAB='{vocab}'",
-              f"--gin.DATA_DIR='{data_dir}'", "--gin.MAX_SEQ_LENGTH=32"]
+              f"--gin.DATA_DIR='{data_dir}'", "--gin.MAX_SEQ_LENGTH=32",
+              # `ktx eval` reads the validation rows `ktx train` converted (same files,
+              # vocabulary and lengths)
+              "--gin.pipeline.MultiTaskInput.cache_dir='rows'"]
     try:
         rc = cli.main(["train", *common, "--gin.TRAIN_STEPS=3", "--gin.BATCH_SIZE=8",
                        "--gin.train_script.train.log_period=1",
