@@ -501,18 +501,22 @@ def test_hyperprompt_global_in_the_region_updates_as_on_one_device():
         decoder_prompt_length=1))
     batch = random_t5_batch(ONE_TASK_EACH)
 
-    def run(m, dims):
+    def run(m, dims, initial=None):
         rules = partitioning.standard_logical_axis_rules(parameter_partitioning_dims=dims)
         tr = trainer_lib.Trainer(model, optax.sgd(0.1), balancer=BALANCERS["metabalance"](),
                                  mesh=m, rules=rules, weights_from_losses=False)
-        state = tr.init_state(jax.random.key(0), batch)
-        initial = jax.device_get(state.params)  # read before the steps donate it
+        if initial is None:
+            state = tr.init_state(jax.random.key(0), batch)
+            initial = jax.device_get(state)  # read before the steps donate it
+        else:  # the one-device run's initial state, placed on this trainer's shardings
+            state = jax.device_put(initial, tr.create_abstract_state(batch)[1])
         for step in range(2):
             state, _ = tr.train_step(state, batch, jax.random.key(1), task_counts=ONE_TASK_EACH)
         return tr, initial, jax.device_get(state.params)
 
-    _, _, expected = run(partitioning.create_mesh(1, devices=jax.devices()[:1]), 1)
-    tr, initial, got = run(partitioning.create_mesh(2), 2)
+    _, initial, expected = run(partitioning.create_mesh(1, devices=jax.devices()[:1]), 1)
+    tr, _, got = run(partitioning.create_mesh(2), 2, initial)
+    initial = initial.params
     assert [k[0] for k in tr._compiled] == [("devices", 1)], list(tr._compiled)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=0, atol=1e-6 * np.abs(b).max()), got, expected)
