@@ -4,7 +4,8 @@ Opt-in: `KTX_TEST_COMPILE_STATS=FILE pytest -p tests.compile_stats ...` appends 
 line per test to FILE (`nodeid`, `compiles`, `compile_s`: XLA's backend compiles;
 `trace_s`, `lower_s`: tracing to jaxprs and lowering them to StableHLO, which the
 persistent compilation cache does not save; `cache_hits`: programs read from that cache
-instead of compiled; `call_s`), each xdist worker to the same file.
+instead of compiled; `call_s`; `worker`, the xdist worker, and `end`, the Unix time the
+test ended, to see each worker's timeline), each xdist worker to the same file.
 Summarise with `python -m tests.compile_stats FILE`.
 """
 
@@ -59,7 +60,8 @@ def pytest_runtest_protocol(item, nextitem):
               "trace_s": round(_state["trace"] - before["trace"], 3),
               "lower_s": round(_state["lower"] - before["lower"], 3),
               "cache_hits": _state["hits"] - before["hits"],
-              "call_s": round(time.perf_counter() - t0, 3)}
+              "call_s": round(time.perf_counter() - t0, 3),
+              "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "end": round(time.time(), 1)}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
     return True
