@@ -5,6 +5,7 @@ contract (task blocks = whole batch), and training with every ktx encoder classi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -358,11 +359,12 @@ def _counts_input():
     return (4, 4)
 
 
-def _steps(tr, n, batches=None, initial=None):
+def _steps(tr, n, batches=None, initial=None, model_states=None):
     """`n` steps of `tr` from a fresh state: (state, [n] losses, [n + 1] params, [n] aux).
     `initial`: a dict of fresh states (host arrays) of earlier trainers of the same model
     by their state's tree structure: one found there is placed on this trainer's
-    shardings instead of compiling its init again; one initialized here is added."""
+    shardings instead of compiling its init again; one initialized here is added.
+    `model_states`: a list to which each step's model state (host arrays) is appended."""
     if initial is None:
         state = tr.init_state(jax.random.key(0), _batch())
     else:
@@ -378,6 +380,8 @@ def _steps(tr, n, batches=None, initial=None):
         batch = _batch() if batches is None else batches(step)
         state, m = tr.train_step(state, batch, jax.random.key(1), task_counts=_counts_input())
         params.append(jax.device_get(state.params))
+        if model_states is not None:
+            model_states.append(jax.device_get(state.model_state))
         losses.append(float(m["loss"]))
         auxes.append(jax.device_get(m["aux"]))
     return state, np.asarray(losses), params, auxes
@@ -424,23 +428,45 @@ def _flat_names(tree):
     return list(_flat(tree))
 
 
+def _proximal_sgd_trainer(**kwargs):
+    """SMART with the adversarial and the proximal term on the one-layer encoder (dropout
+    on), SGD. (SGD: Adam would blow the rounding noise of gradients that are 0 in exact
+    arithmetic (the attention key bias) up to full-size, path-dependent steps.)"""
+    return trainer_lib.Trainer(_smart(_model("plain", config=ONE_LAYER), proximal_weight=1.0,
+                                      teacher_momentum=0.5), optax.sgd(0.5), **kwargs)
+
+
+@functools.cache
+def _plain_proximal_run():
+    """3 plain steps of `_proximal_sgd_trainer()` (the task-blocks test's reference, whose
+    first 2 steps the multi-step scan test compares with): (initial states as `_steps`
+    keeps them, [3] losses, [4] params, [3] model states, [3] aux), host arrays."""
+    initial, model_states = {}, []
+    _, losses, params, auxes = _steps(_proximal_sgd_trainer(), 3, initial=initial,
+                                      model_states=model_states)
+    return initial, losses, params, model_states, auxes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _file_caches():
+    yield
+    _plain_proximal_run.cache_clear()
+
+
 def test_task_blocks_vjp_and_microbatches_equal_the_whole_batch_with_dropout():
     """With dropout on, the adversarial and the proximal term, 3 steps: per-task blocks,
     the one-hot VJP (summed by vanilla_multi) and 2 microbatches give the plain step's
     losses, parameters and teacher."""
-    base = _model("plain", config=ONE_LAYER)
-    assert base.config.dropout_rate > 0
-    initial = {}  # the paths' initial states: the plain run's where they are alike
+    assert _model("plain", config=ONE_LAYER).config.dropout_rate > 0
+    plain_initial, losses, params, model_states, auxes = _plain_proximal_run()
+    # the paths' initial states: the plain run's where they are alike
+    initial = dict(plain_initial)
 
     def run(**kwargs):
-        # SGD: Adam would blow the rounding noise of gradients that are 0 in exact
-        # arithmetic (the attention key bias) up to full-size, path-dependent steps.
-        tr = trainer_lib.Trainer(_smart(base, proximal_weight=1.0, teacher_momentum=0.5),
-                                 optax.sgd(0.5), **kwargs)
-        state, losses, _, auxes = _steps(tr, 3, initial=initial)
+        state, losses, _, auxes = _steps(_proximal_sgd_trainer(**kwargs), 3, initial=initial)
         return losses, jax.device_get(state.params), jax.device_get(state.model_state), auxes
 
-    plain = run()
+    plain = losses, params[-1], model_states[-1], auxes
     assert np.all(plain[3][-1]["smart_proximal"] > 0)
     per_task = {"balancer": optim.vanilla_multi(), "weights_from_losses": False}
     for kwargs in (dict(per_task, grad_method="blocks"), dict(per_task, grad_method="vjp"),
@@ -506,8 +532,11 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path):
                                  optimizers.adamw(3e-2))
         abstract, _ = tr.create_abstract_state(_batch())
         saved = tmp_path / ("straight" if mu == 0.0 else "plain")
-        if mu == 1.0:
-            train(train_steps=1, **kwargs(saved, mu=0.0))
+        if mu == 1.0:  # the checkpoint a μ = 0 run writes (no model state): the straight
+            # run's state without its teacher, instead of compiling a μ = 0 run's step
+            manager = checkpoints.CheckpointManager(saved)
+            manager.save(straight.replace(model_state=None), force=True)
+            manager.close()
         with pytest.raises(checkpoints.CheckpointShapeError, match=match):
             checkpoints.CheckpointManager(saved).restore(abstract)
 
@@ -630,20 +659,19 @@ def test_gin_binds_mu_and_the_papers_momentum_schedule(tmp_path):
 def test_multi_step_scan_carries_the_teacher():
     """`Trainer.train_steps` (K steps in one `lax.scan`) carries the teacher as K
     `train_step` calls do."""
-    def make():
-        return trainer_lib.Trainer(_smart(_model("plain", config=ONE_LAYER), proximal_weight=1.0,
-                                          teacher_momentum=0.5), optax.sgd(0.5))
-
-    initial = {}
-    one_by_one, losses, _, _ = _steps(make(), 2, initial=initial)
-    tr = make()
+    # K = 2 steps against the first 2 of the task-blocks test's plain run (the same
+    # trainer, batches and rng), read from its cache rather than run again.
+    initial, all_losses, all_params, model_states, _ = _plain_proximal_run()
+    losses, params, model_state = all_losses[:2], all_params[2], model_states[1]
+    tr = _proximal_sgd_trainer()
     tr.create_abstract_state(_batch())
-    (state,) = initial.values()  # the same initial state, its init not compiled again
+    # the same initial state, its init not compiled again
+    state = initial[jax.tree.structure(tr.abstract_state)]
     state = jax.device_put(state, tr.state_shardings)
     stacked = {k: np.stack([np.asarray(v)] * 2) for k, v in _batch().items()}
     state, metrics = tr.train_steps(state, stacked, jax.random.key(1), task_counts=(4, 4))
     np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-5)
     assert float(metrics["aux"]["smart_proximal"][1].sum()) > 0
-    for a, b in ((state.params, one_by_one.params), (state.model_state, one_by_one.model_state)):
+    for a, b in ((state.params, params), (state.model_state, model_state)):
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
                      jax.device_get(a), jax.device_get(b))
