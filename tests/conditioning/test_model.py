@@ -324,7 +324,8 @@ def test_trains_on_2x4_mesh(method, variant):
         for i in range(3):
             # Each step starts from the initial state's shardings (XLA may place the step's
             # outputs otherwise): one compile of the step, not one per input layout.
-            params, opt_state = jax.device_put((params, opt_state), (param_shardings, opt_shardings))
+            params, opt_state = jax.device_put((params, opt_state),
+                                               (param_shardings, opt_shardings))
             params, opt_state, loss, grads = step(params, opt_state, global_batch)
             losses.append(float(loss))
             if i == 0:

@@ -514,12 +514,11 @@ def test_hyperprompt_global_in_the_region_updates_as_on_one_device():
             state, _ = tr.train_step(state, batch, jax.random.key(1), task_counts=ONE_TASK_EACH)
         return tr, initial, jax.device_get(state.params)
 
-    _, initial, expected = run(partitioning.create_mesh(1, devices=jax.devices()[:1]), 1)
-    tr, _, got = run(partitioning.create_mesh(2), 2, initial)
-    initial = initial.params
+    _, start, expected = run(partitioning.create_mesh(1, devices=jax.devices()[:1]), 1)
+    tr, _, got = run(partitioning.create_mesh(2), 2, start)
     assert [k[0] for k in tr._compiled] == [("devices", 1)], list(tr._compiled)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=0, atol=1e-6 * np.abs(b).max()), got, expected)
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(),
-                         got["conditioning"], initial["conditioning"])
+                         got["conditioning"], start.params["conditioning"])
     assert all(v > 0 for v in jax.tree.leaves(moved))  # every hyper-network trained
