@@ -510,8 +510,13 @@ def leaf_gram(x: Any) -> jax.Array:
     """
     if isinstance(x, SparseRows):
         return _sparse_gram(x)
-    f = x.astype(jnp.float32).reshape(x.shape[0], -1)
-    return f @ f.T
+    # Contracted over every parameter axis as they lie: a `[T, -1]` reshape of a leaf
+    # split over several mesh axes (a per-task gradient shard on a pod) is a gather of the
+    # whole leaf on every device; the contraction is each device's partial Gram and one
+    # `[T, T]` all-reduce.
+    f = x.astype(jnp.float32)
+    axes = tuple(range(1, f.ndim))
+    return jax.lax.dot_general(f, f, ((axes, axes), ((), ())))
 
 
 # Up to this many tasks `leaf_combine` writes the weighted sum out term by term.
