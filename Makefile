@@ -24,10 +24,13 @@ quickstart: install
 	$(BIN)/ktx train --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'$(QUICKSTART_DIR)'"
 	$(BIN)/ktx eval --gin_file=runs/eval.gin --gin_file=runs/quickstart.gin --gin.MODEL_DIR="'$(QUICKSTART_DIR)'"
 
-# The fast tier, then the tests marked slow (processes killed and relaunched).
+# The fast tier, then the tests marked slow (processes killed and relaunched). The slow
+# tier runs three workers on two cores: its tests wait on their `ktx` processes (starts,
+# heartbeat timeouts, a shared reference run), and two workers kept 1.5 of 2 cores busy
+# (CONTRIBUTING.md).
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not slow" tests
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=5 -m slow tests
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal --durations=5 -m slow tests
 
 test-fast: install
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow" tests
