@@ -34,7 +34,9 @@ def _started(log) -> list[str]:
 
 @pytest.mark.slow
 def test_workers_divide_the_runs_and_a_killed_run_is_resumed(tmp_path):
-    path = write_tiny_study(tmp_path, steps=30)
+    # A checkpoint every 5 of the 30 steps: each is a save of its own (orbax), and the
+    # test needs one before the kill and one run resumed from it.
+    path = write_tiny_study(tmp_path, steps=30, checkpoint_period=5)
     runs = tmp_path / "study" / "runs"
     a = _worker(path, tmp_path / "a.log")
     b = _worker(path, tmp_path / "b.log")

@@ -21,7 +21,7 @@ NUM_TASKS = 4
 BATCH_SIZE = 8
 TRAIN_STEPS = {steps}
 LOG_PERIOD = 1
-CHECKPOINT_PERIOD = 1
+CHECKPOINT_PERIOD = {checkpoint_period}
 EVAL_PERIOD = %TRAIN_STEPS
 train_script.train.evaluators = [@eval_lib.TeacherForcedEvaluator()]
 eval_lib.TeacherForcedEvaluator.batch_size = 256
@@ -48,13 +48,15 @@ fast/study.Arm:
 """
 
 
-def write_tiny_study(folder: pathlib.Path, steps: int = 2, extra: str = "") -> pathlib.Path:
+def write_tiny_study(folder: pathlib.Path, steps: int = 2, extra: str = "",
+                     checkpoint_period: int = 1) -> pathlib.Path:
     """The study file (and its model and run gin files) in `folder`; runs in folder/study."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "model.gin").write_text(tiny_t5_gin())
     # The runs share their converted rows (the study's runs read the same tasks; rows are
     # cached per seed), as a study on real data would; here the test session's folder.
-    (folder / "run.gin").write_text(RUN_GIN.format(steps=steps, rows=row_cache.folder()))
+    (folder / "run.gin").write_text(RUN_GIN.format(steps=steps, checkpoint_period=checkpoint_period,
+                                                     rows=row_cache.folder()))
     path = folder / "tiny_study.gin"
     path.write_text(STUDY_GIN.format(directory=folder / "study", model=folder / "model.gin",
                                      run=folder / "run.gin") + extra)
