@@ -81,7 +81,8 @@ def test_python_m_ktx_from_a_folder_with_runs(workdir):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-m", "ktx", "train", "--gin_file=runs/train.gin",
-         *_common("--gin.MODEL_DIR='runs/m'"), "--gin.TRAIN_STEPS=1", "--gin.BATCH_SIZE=8"],
+         *_common("--gin.MODEL_DIR='runs/m'"), "--gin.TRAIN_STEPS=1", "--gin.BATCH_SIZE=8",
+         row_cache.flag()],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (workdir / "runs" / "m" / "checkpoints" / "1").is_dir()

@@ -16,6 +16,7 @@ from ktx.runs.train import train
 from ktx.training import optimizers
 from tests.multiprocess_runs import train_losses
 from tests.test_trainer import ToyInput, ToyModel
+from tests import row_cache
 from tests.tiny_t5_gin import tiny_t5_gin
 
 
@@ -53,7 +54,7 @@ def test_cli_names_the_binding(tmp_path, capsys):
                      "--gin.NUM_TASKS=4", f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
                      "--gin.MIXTURE_OR_TASK_NAME='synthetic_quickstart'",
                      "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-                     "--gin.TRAIN_STEPS=5", "--gin.PROFILE_STEPS=(10, 20)"])
+                     "--gin.TRAIN_STEPS=5", "--gin.PROFILE_STEPS=(10, 20)", row_cache.flag()])
     err = capsys.readouterr().err.strip()
     assert code == 1
     assert len(err.splitlines()) == 1, err
