@@ -68,6 +68,31 @@ def test_relative_position_buckets_match_hand_tables():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bucket_biases_gradient_is_the_lookups(dtype):
+    """`t5_layers.bucket_biases`: the lookup's values, and a gradient (each bucket's
+    cotangents summed, in float32) equal to autodiff of the plain lookup's."""
+    from ktx.models.t5_layers import bucket_biases
+
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.normal(size=(3, 8)), jnp.float32)
+    buckets = t5.relative_position_bucket(
+        jnp.arange(6)[None, :] - jnp.arange(5)[:, None], True, 8, 16)  # [Lq = 5, Lk = 6]
+    cot = jnp.asarray(rng.normal(size=(3, 5, 6)), dtype)
+
+    def plain(w):
+        return jnp.take(w, buckets, axis=1).astype(dtype)
+
+    np.testing.assert_array_equal(bucket_biases(table, buckets, jnp.dtype(dtype)), plain(table))
+    got = jax.vjp(lambda w: bucket_biases(w, buckets, jnp.dtype(dtype)), table)[1](cot)[0]
+    want = jax.vjp(plain, table)[1](cot)[0]
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    by_hand = np.zeros((3, 8))
+    np.add.at(by_hand.T, np.asarray(buckets), np.moveaxis(np.asarray(cot, np.float64), 0, -1))
+    np.testing.assert_allclose(got, by_hand, rtol=1e-6, atol=1e-6)
+
+
 def test_gated_gelu_hand_value():
     mlp = t5.MlpBlock(intermediate_dim=1, activations=("gelu", "linear"))
     x = jnp.ones((1, 1, 1))
