@@ -510,19 +510,19 @@ def leaf_gram(x: Any) -> jax.Array:
     """
     if isinstance(x, SparseRows):
         return _sparse_gram(x)
-    # Reduced over every parameter axis as they lie: a `[T, -1]` reshape of a leaf split
-    # over several mesh axes (a per-task gradient shard on a pod) is a gather of the whole
-    # leaf on every device. Split, as products summed like `leaf_sq_norms`' squares, not as
-    # a contraction: the TPU compiler lays a contraction's operand out for its matrix
-    # unit, and the per-task gradients' exchange was then copied whole and padded
-    # (T5.1.1-Base on v5e-256, 128 x 2: PCGrad's step 0.393 GiB, 0.207 so, the plain
-    # step's 0.206); either way each device reduces its shard and one `[T, T]` sum goes
-    # over the mesh.
+    # Split over a mesh, reduced over every parameter axis as they lie: a `[T, -1]`
+    # reshape of a leaf split over several mesh axes (a per-task gradient shard on a
+    # pod) is a gather of the whole leaf on every device. As products summed like
+    # `leaf_sq_norms`' squares, not as a contraction: the TPU compiler lays a
+    # contraction's operand out for its matrix unit, and the per-task gradients'
+    # exchange was then copied whole and padded (T5.1.1-Base on v5e-256, 128 x 2:
+    # PCGrad's step 0.393 GiB, 0.207 so, the plain step's 0.206). Each device reduces
+    # its shard and one `[T, T]` sum goes over the mesh.
     f = x.astype(jnp.float32)
     if _partitioned():
         return jnp.sum(f[:, None] * f[None, :], axis=tuple(range(2, f.ndim + 1)))
-    axes = tuple(range(1, f.ndim))
-    return jax.lax.dot_general(f, f, ((axes, axes), ((), ())))
+    f = f.reshape(f.shape[0], -1)  # one device: one matrix product
+    return f @ f.T
 
 
 # Up to this many tasks `leaf_combine` writes the weighted sum out term by term.
