@@ -363,13 +363,13 @@ def take(table: Any, ids: jax.Array, path: tuple | None = None, dtype: Any = Non
                  w.shard.dtype if dtype is None else jnp.dtype(dtype))
 
 
-def _rows(table: jax.Array, ids: jax.Array, dtype: Any) -> jax.Array:
-    """`table`'s rows `ids`, gathered in the table's dtype and then cast to `dtype`: the
-    same values as casting first, but the backward pass scatter-adds the rows' cotangent
-    into a gradient of the table's dtype (float32). Cast first, a bfloat16 step
-    scatter-added into a bfloat16 table: one kernel of 1.2 s in a 1.3 s T5.1.1-Small
+def _rows(table: jax.Array, ids: jax.Array, dtype: Any, axis: int = 0) -> jax.Array:
+    """`table`'s rows `ids` (along `axis`), gathered in the table's dtype and then cast to
+    `dtype`: the same values as casting first, but the backward pass scatter-adds the
+    rows' cotangent into a gradient of the table's dtype (float32). Cast first, a bfloat16
+    step scatter-added into a bfloat16 table: one kernel of 1.2 s in a 1.3 s T5.1.1-Small
     step on an H200 (docs/performance.md), and a running sum that stops at 256."""
-    rows = jnp.take(table, ids, axis=0)
+    rows = jnp.take(table, ids, axis=axis)
     return rows if dtype is None else rows.astype(dtype)
 
 
@@ -410,8 +410,7 @@ def _take(ids, shard, acc, tasks, axis, num_tasks, layout, dtype):
         local, valid = _row_slice(every, shard.shape[0], names)
         nf = shard.ndim - 1
         table = jnp.moveaxis(shard, 0, -1)  # [*shard features, V]
-        rows = jnp.take(table, jnp.where(valid, local, 0), axis=nf)
-        rows = rows if dtype is None else rows.astype(dtype)
+        rows = _rows(table, jnp.where(valid, local, 0), dtype, axis=nf)
         if names:
             rows = jax.lax.psum(jnp.where(valid, rows, 0), names)
         rows = jax.lax.all_to_all(rows, DATA, split_axis=nf, concat_axis=axis - 1, tiled=True)

@@ -14,9 +14,9 @@ from ktx import cli
 from ktx.runs.profiling import check_profile_steps
 from ktx.runs.train import train
 from ktx.training import optimizers
+from tests import row_cache
 from tests.multiprocess_runs import train_losses
 from tests.test_trainer import ToyInput, ToyModel
-from tests import row_cache
 from tests.tiny_t5_gin import tiny_t5_gin
 
 
