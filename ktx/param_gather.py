@@ -96,10 +96,10 @@ def sum_by_task(grads: jax.Array, dim: int | None, tasks: jax.Array, num_tasks: 
         if dim is None:
             pieces = jax.lax.all_gather(g, DATA, tiled=True)
         else:
-            # Split into the devices' pieces by hand, `[n, ..., data, D / data, ...]`, and
-            # exchanged untiled: the tiled form's received `[1, *shape]` was copied once
-            # more on a TPU (T5.1.1-Base's logits kernel on v5e-256, 128 x 2: 47 MiB a
-            # device, MGDA's step 0.304 GiB, 0.211 so).
+            # The devices' pieces split out by hand, `[n, ..., data, D / data, ...]`, and
+            # exchanged untiled: a TPU copied the tiled form's received `[1, *shape]` once
+            # more (T5.1.1-Base's logits kernel on v5e-256, 128 x 2: 47 MiB a device;
+            # MGDA's step 0.304 GiB, 0.211 so).
             d = dim + 1
             p = jax.lax.axis_size(DATA)
             x = g.reshape(g.shape[:d] + (p, g.shape[d] // p) + g.shape[d + 1:])
