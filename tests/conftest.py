@@ -40,6 +40,7 @@ os.environ.setdefault("KTX_HOST_MALLOC", "system")
 if os.environ.get("KTX_DATA_DIR"):
     os.environ["KTX_DATA_DIR"] = os.path.abspath(os.environ["KTX_DATA_DIR"])
 import pathlib
+import re
 import shutil
 import tempfile
 
@@ -88,6 +89,16 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: kills and relaunches processes (minutes each); `make test` runs "
         "these after the fast tier, `make test-fast` leaves them out")
+
+
+def pytest_collection_modifyitems(config, items):
+    # `make test`'s slow tier collects only the modules that say `mark.slow` (Makefile,
+    # SLOW_TEST_FILES): a slow test marked some other way would never run there.
+    for path in sorted({str(item.path) for item in items if item.get_closest_marker("slow")}):
+        if not re.search(r"mark\.slow", pathlib.Path(path).read_text()):
+            raise pytest.UsageError(
+                f"{path}: marks a test slow without the text `mark.slow`; write "
+                "`pytest.mark.slow` in it so that `make test`'s slow tier collects it")
 
 
 def pytest_unconfigure(config):
