@@ -92,13 +92,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # `make test`'s slow tier collects only the modules that say `mark.slow` (Makefile,
-    # SLOW_TEST_FILES): a slow test marked some other way would never run there.
-    for path in sorted({str(item.path) for item in items if item.get_closest_marker("slow")}):
-        if not re.search(r"mark\.slow", pathlib.Path(path).read_text()):
+    # `make test`'s slow tier collects only the `test_*.py` modules that say `mark.slow`
+    # (Makefile, SLOW_TEST_FILES): a slow test elsewhere would never run there.
+    for path in sorted({item.path for item in items if item.get_closest_marker("slow")}):
+        if not (path.name.startswith("test_") and re.search(r"mark\.slow", path.read_text())):
             raise pytest.UsageError(
-                f"{path}: marks a test slow without the text `mark.slow`; write "
-                "`pytest.mark.slow` in it so that `make test`'s slow tier collects it")
+                f"{path}: a slow test outside a test_*.py module that says `mark.slow`; "
+                "mark it with `pytest.mark.slow` in such a module so that `make test`'s "
+                "slow tier collects it")
 
 
 def pytest_unconfigure(config):
