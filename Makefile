@@ -30,7 +30,7 @@ quickstart: install
 # (CONTRIBUTING.md).
 # The slow tier collects only the modules that mark tests slow: collecting every module
 # for its 7 tests was 17 s of its start on 2 cores, 4 s so. tests/conftest.py refuses a
-# slow test whose module does not say `mark.slow`, which this list would miss.
+# slow test this list would miss (outside a test_*.py module that says `mark.slow`).
 SLOW_TEST_FILES = $(shell grep -rlE 'mark\.slow' tests --include='test_*.py' | sort)
 
 test: install
