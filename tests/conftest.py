@@ -38,12 +38,13 @@ _given_flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_given_flags] + [f"{k}={v}" for k, v in _TEST_XLA_FLAGS.items() if k not in _given_flags]
 ).strip()
-# MLIR locations with the innermost user frame only, not the whole Python traceback (JAX's
-# default keeps up to 100 frames per op, which lowering turns into HLO stack frames and
-# every compile carries): measured as the flag above, 20.2 -> 18.7 CPU seconds (median of
-# 6 runs each in turn). HLO metadata still names each op's source file and line; nothing
-# the tests check reads the frames. `ktx` itself keeps JAX's default (profilers show it).
-os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
+# MLIR locations without Python traceback frames (`JAX_TRACEBACK_IN_LOCATIONS_LIMIT=0`;
+# JAX's default keeps up to 100 frames per op, which lowering turns into HLO stack frames
+# that every compile carries): measured as the flag above, 21.2 -> 19.4 CPU seconds
+# (median of 6 runs each in turn). Ops keep their names (`op_name`, the name stack the
+# tests that look for a gather inside a scan's body read); `ktx` itself keeps JAX's
+# default (profilers show the frames).
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
 # A pytest worker runs hundreds of in-process `ktx train`s: under the CLI's default host
 # malloc mode ("keep") it would hold the largest one's peak to the end. The mode itself is
 # tested in child processes (tests/test_host_malloc.py).
