@@ -23,6 +23,8 @@ step with 1-D partitioning costs. Instead, a parameter enters as this device's s
   every device's ids in its feature shard and an `all_to_all` returns each device its
   rows; the backward pass scatter-adds the rows' cotangents by task into `[T, V, *shard]`
   shards directly;
+* a kernel its module contracts over its split dimension with many rows (`project`: T5's
+  untied logits) is gathered, and its per-task gradient shards are made a slice at a time;
 * any other split parameter is gathered once where the region starts.
 
 The gather's backward pass is where the per-task gradients are made: its cotangent is the
@@ -57,7 +59,8 @@ from jax.sharding import PartitionSpec
 from ktx.partitioning import DATA, entry_axes
 
 __all__ = ["SplitParam", "contract", "gather", "gather_layer_params", "gathering",
-           "module_param", "recording", "split_param", "stack_hook", "sum_by_task", "take"]
+           "module_param", "project", "recording", "split_param", "stack_hook", "sum_by_task",
+           "take"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -338,6 +341,113 @@ def _contract_bwd(axis, num_tasks, layout, res, ct):
 
 
 _contract.defvjp(_contract_fwd, _contract_bwd)
+
+
+# `project`'s per-task gradient is made this many bytes (float32) of the whole gradient at
+# a time: a device never holds its whole `[t, *rest]` gradient, nor its exchange's pieces.
+PROJECT_CHUNK_BYTES = 16 << 20
+
+
+def project(x: jax.Array, w: Any, path: tuple | None = None) -> jax.Array:
+    """`x [..., t]` times a parameter `w [t, *rest]` over `t`: `[..., *rest]`, in `x`'s
+    dtype. An output projection (T5's untied logits, `DenseGeneral(split_input=True)`).
+
+    A module reads its kernel through this (with its `path`, as for `contract`) to let a
+    device-by-device region leave it split along `t`. Each device gathers the kernel over
+    `data` for its rows' product, and again in the backward pass for `x`'s cotangent; the
+    per-task gradient shards `[T, t / data, *rest]` are made a slice of `rest` at a time
+    (`PROJECT_CHUNK_BYTES`): the slice's gradient, its exchange and its sum by task
+    (`sum_by_task`). Gathered as a whole parameter, a device held its whole gradient and
+    as much again for the exchange (T5.1.1-Base's logits kernel: 94 MiB each). Split
+    along `rest`, the kernel is gathered whole. Anywhere else: a plain product."""
+    region = _REGIONS[-1] if _REGIONS else None
+    if region is not None and region.contracted is not None and path is not None:
+        region.contracted.append(tuple(path))
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    if not isinstance(w, SplitParam):
+        return jax.lax.dot_general(x, jnp.asarray(w).astype(x.dtype), dims)
+    if w.shard.ndim + w.dim != 0:  # split along `rest`: gather it whole
+        return jax.lax.dot_general(x, gather(w).astype(x.dtype), dims)
+    rows = x.reshape(-1, x.shape[-1])
+    out = _project(rows, w.shard, w.acc, region.tasks, region.num_tasks, w.layout)
+    return out.reshape(x.shape[:-1] + out.shape[1:])
+
+
+def _project_axes(layout: tuple | None) -> tuple:
+    """The mesh axes other than `data` that split `project`'s `rest` (its collectives run
+    manual over them); none where the contracted dimension has any."""
+    if layout is None or layout[0] is not None:
+        return ()
+    return tuple(sorted({a for e in layout[1:] for a in entry_axes(e)}))
+
+
+def _project_specs(layout: tuple | None) -> tuple[PartitionSpec, PartitionSpec]:
+    """The shard's and a `[n, *rest]` product's specs in `_project`'s manual region."""
+    return PartitionSpec(*(layout or ())), PartitionSpec(None, *(layout or ())[1:])
+
+
+def _project_chunks(t: int, size: int) -> int:
+    """The fewest even slices of `size` whose `[t, slice]` float32 gradient is at most
+    `PROJECT_CHUNK_BYTES` (at most `size`)."""
+    for n in range(1, size + 1):
+        if size % n == 0 and t * (size // n) * 4 <= PROJECT_CHUNK_BYTES:
+            return n
+    return size
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _project(x, shard, acc, tasks, num_tasks, layout):
+    del acc, tasks, num_tasks
+    shard_spec, out_spec = _project_specs(layout)
+
+    def fn(x, shard):
+        w = jax.lax.all_gather(shard, DATA, axis=0, tiled=True)  # [t, *rest]
+        return jnp.tensordot(x, w.astype(x.dtype), axes=((1,), (0,)))
+
+    return _manual_over(fn, _project_axes(layout), (PartitionSpec(), shard_spec),
+                        out_spec)(x, shard)
+
+
+def _project_fwd(x, shard, acc, tasks, num_tasks, layout):
+    out = _project(x, shard, acc, tasks, num_tasks, layout)
+    return out, (x, shard, tasks, jnp.zeros((), acc.dtype))
+
+
+def _project_bwd(num_tasks, layout, res, ct):
+    x, shard, tasks, acc_dtype = res[0], res[1], res[2], res[3].dtype
+    names = _project_axes(layout)
+    shard_spec, out_spec = _project_specs(layout)
+
+    def fn(x, shard, tasks, ct):
+        w = jax.lax.all_gather(shard, DATA, axis=0, tiled=True)  # [t, *rest]
+        k = tuple(range(1, ct.ndim))
+        dx = jnp.tensordot(ct, w.astype(ct.dtype), axes=(k, k))  # [n, t]
+        if names:  # the product ran over the other axes' slices of `rest`
+            dx = jax.lax.psum(dx, names)
+        n, t, rest = x.shape[0], x.shape[1], ct.shape[1:]
+        size = functools.reduce(lambda a, b: a * b, rest, 1)
+        flat = ct.reshape(n, size)
+        chunks = _project_chunks(t, size)
+        step = size // chunks
+
+        def one(i, grads):
+            part = jax.lax.dynamic_slice_in_dim(flat, i * step, step, axis=1)  # [n, step]
+            g = jnp.tensordot(x, part, axes=((0,), (0,)),
+                              preferred_element_type=jnp.float32)  # [t, step]
+            per_task = sum_by_task(g[None], 0, tasks, num_tasks, acc_dtype)  # [T, t/D, step]
+            return jax.lax.dynamic_update_slice_in_dim(grads, per_task, i * step, axis=2)
+
+        tD = t // jax.lax.axis_size(DATA)
+        grads = jax.lax.fori_loop(0, chunks, one, jnp.zeros((num_tasks, tD, size), acc_dtype))
+        return dx.astype(x.dtype), grads.reshape((num_tasks, tD) + rest)
+
+    dx, grads = _manual_over(
+        fn, names, (PartitionSpec(), shard_spec, PartitionSpec(), out_spec),
+        (PartitionSpec(), PartitionSpec(None, *shard_spec)))(x, shard, tasks, ct)
+    return dx, None, grads, None
+
+
+_project.defvjp(_project_fwd, _project_bwd)
 
 
 def take(table: Any, ids: jax.Array, path: tuple | None = None, dtype: Any = None) -> jax.Array:

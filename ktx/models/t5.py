@@ -399,8 +399,8 @@ class Decoder(_LayerStack, nn.Module):
                 jnp.float32(x.shape[-1]))
         else:
             logits = DenseGeneral(
-                (cfg.vocab_size,), (EMBED, VOCAB), dtype=jnp.float32, name="logits_dense"
-            )(x)
+                (cfg.vocab_size,), (EMBED, VOCAB), dtype=jnp.float32, split_input=True,
+                name="logits_dense")(x)
         return nn.with_logical_constraint(logits, (BATCH, LENGTH, VOCAB))
 
 

@@ -61,7 +61,8 @@ class DenseGeneral(nn.Module):
     """Bias-free dense layer contracting `axis` of the input with a multi-axis kernel.
 
     Input `[..., *in_shape]` (the `axis` dims, which must be trailing) -> `[..., *features]`;
-    kernel `[*in_shape, *features]` annotated with `kernel_axes`.
+    kernel `[*in_shape, *features]` annotated with `kernel_axes`. `split_input` (one axis):
+    the kernel is read through `param_gather.project` (T5's untied logits).
     """
 
     features: tuple[int, ...]
@@ -69,6 +70,7 @@ class DenseGeneral(nn.Module):
     axis: tuple[int, ...] = (-1,)
     dtype: Dtype = jnp.float32
     kernel_init: Callable = default_kernel_init
+    split_input: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -78,19 +80,16 @@ class DenseGeneral(nn.Module):
         in_shape = tuple(x.shape[a] for a in axis)
         kernel_shape = in_shape + tuple(self.features)
         if len(self.kernel_axes) != len(kernel_shape):
-            raise ValueError(
-                f"DenseGeneral.kernel_axes={self.kernel_axes} has {len(self.kernel_axes)} "
-                f"names for a kernel of shape {kernel_shape}"
-            )
+            raise ValueError(f"DenseGeneral.kernel_axes={self.kernel_axes} has "
+                             f"{len(self.kernel_axes)} names for a kernel of shape {kernel_shape}")
         init = _flat_init(self.kernel_init, math.prod(in_shape), math.prod(self.features))
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(init, self.kernel_axes),
-            kernel_shape,
-            jnp.float32,
-        )
+        declare = functools.partial(self.param, "kernel", nn.with_logical_partitioning(
+            init, self.kernel_axes), kernel_shape, jnp.float32)
         x = jnp.asarray(x, self.dtype)
-        kernel = jnp.asarray(kernel, self.dtype)
+        if self.split_input and len(axis) == 1:  # a `SplitParam` in a balanced region
+            kernel = param_gather.module_param(self, "kernel", declare)
+            return param_gather.project(x, kernel, self.scope.path + ("kernel",))
+        kernel = jnp.asarray(declare(), self.dtype)
         contract = (axis, tuple(range(len(axis))))
         return lax.dot_general(x, kernel, (contract, ((), ())))
 

@@ -353,6 +353,58 @@ def test_embedding_tables_looked_up_split_give_the_per_task_gradients():
                 assert not any(re.search(r"f32\[(3|6),8\]", line) for line in gathers)
 
 
+def test_projected_kernels_give_the_per_task_gradients_a_slice_at_a_time(monkeypatch):
+    """A kernel its module reads through `param_gather.project` (T5's untied logits),
+    split over `data` along the contracted dimension: its per-task gradient shards, made a
+    slice of the output at a time (three slices here, one with the default size), with
+    the output split over `model` and without, equal the per-task gradients of one
+    device, as does the projected input's own parameter; no device holds the kernel's
+    whole gradient."""
+    from ktx import param_gather
+    from ktx.optim.device_slots import per_device_task_gradients
+
+    T, E, V, L = 4, 8, 6, 3
+    rng = np.random.default_rng(2)
+    params = {"kernel": jnp.asarray(rng.normal(size=(E, V)) / 3, jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(E,)), jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(16, L, E)), jnp.float32),
+             "task_id": jnp.asarray(np.repeat(np.arange(T), ONE_TASK_EACH), jnp.int32)}
+    norm = jnp.float32(16.0)
+
+    def loss_sums(p, b):
+        logits = param_gather.project(jnp.tanh(b["x"] * p["w"]), p["kernel"], ("kernel",))
+        rows = jax.nn.logsumexp(logits, -1).sum(-1)  # [B]
+        return jax.ops.segment_sum(rows, b["task_id"], num_segments=T), {}
+
+    expected = jax.jacrev(lambda p: loss_sums(p, batch)[0] / norm)(params)
+    mesh = partitioning.create_mesh(2)  # 4 x 2
+    D, M = partitioning.DATA, partitioning.MODEL
+    for chunk_bytes in (8 * 2 * 4, param_gather.PROJECT_CHUNK_BYTES):  # slices of 2 (or 1)
+        monkeypatch.setattr(param_gather, "PROJECT_CHUNK_BYTES", chunk_bytes)
+        for spec, layouts in [(PartitionSpec(D, M), [(None, M), None]),
+                              (PartitionSpec(D), None)]:
+            with jax.set_mesh(mesh):
+                placed = {"kernel": jax.device_put(params["kernel"], NamedSharding(mesh, spec)),
+                          "w": jax.device_put(params["w"], NamedSharding(mesh, PartitionSpec()))}
+                fn = jax.jit(lambda p, b: per_device_task_gradients(
+                    loss_sums, norm, p, b, num_tasks=T, slots=1, scatter_dims=[0, 0],
+                    split=[True, False], layouts=layouts))
+                sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(D)))
+                _, _, got = fn(placed, sharded)
+                hlo = fn.lower(placed, sharded).compile().as_text()
+            for name in ("kernel", "w"):
+                np.testing.assert_allclose(
+                    np.asarray(got[name]), np.asarray(expected[name]), rtol=1e-5, atol=1e-6,
+                    err_msg=f"{name}, {spec}, {chunk_bytes} bytes")
+            assert got["kernel"].sharding.spec[1] == D  # [T, E / data, V]
+            # Each device exchanges slices of its gradient, never the whole [E = 8, V = 6]
+            # (or [8, 3] with V split over `model`) when sliced.
+            exchanged = [line for line in hlo.splitlines() if " all-to-all(" in line]
+            assert exchanged
+            if chunk_bytes < param_gather.PROJECT_CHUNK_BYTES:
+                assert not any(re.search(r"f32\[[^\]]*,(6|3)\]", line) for line in exchanged)
+
+
 def test_split_parameters_through_the_trainer_update_as_on_one_device():
     """2-D parameter partitioning with one task on each device: "auto" takes per-task
     gradients device by device with split parameters, and MetaBalance, PCGrad and MGDA
