@@ -253,6 +253,26 @@ def test_parameters_split_over_data_are_gathered_layer_by_layer():
     assert any(re.search(r" f32\[(\d+,)?16,1,8\]", line) for line in gathers)
 
 
+def _region_gradients(loss_sums, norm, params, batch, specs, expected, **kwargs):
+    """`per_device_task_gradients` of `params` placed on the 4 x 2 mesh by `specs` (one
+    `PartitionSpec` per parameter), checked against `expected` (`[T, ...]` per parameter);
+    returns them and the compiled step's HLO text. `kwargs`: its other arguments."""
+    from ktx.optim.device_slots import per_device_task_gradients
+
+    mesh = partitioning.create_mesh(2)
+    with jax.set_mesh(mesh):
+        placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        fn = jax.jit(lambda p, b: per_device_task_gradients(loss_sums, norm, p, b, slots=1,
+                                                            **kwargs))
+        sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(partitioning.DATA)))
+        _, _, got = fn(placed, sharded)
+        hlo = fn.lower(placed, sharded).compile().as_text()
+    for name in params:
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(expected[name]),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"{name}, {specs}")
+    return got, hlo
+
+
 def test_contracted_parameters_stay_split_and_give_the_per_task_gradients():
     """A parameter its module reads through `param_gather.contract` (HyperPrompt-Global's
     generators) enters the region split and is never gathered: the product is gathered
@@ -260,7 +280,6 @@ def test_contracted_parameters_stay_split_and_give_the_per_task_gradients():
     the per-task gradients of one device, as do those of the contracted operand's own
     parameter (its cotangent comes back from the shards' partial products)."""
     from ktx import param_gather
-    from ktx.optim.device_slots import per_device_task_gradients
 
     T, t, d, h, k = 4, 3, 8, 2, 4
     rng = np.random.default_rng(0)
@@ -280,22 +299,12 @@ def test_contracted_parameters_stay_split_and_give_the_per_task_gradients():
         return jax.ops.segment_sum(rows, b["task_id"], num_segments=T), {}
 
     expected = jax.jacrev(lambda p: loss_sums(p, batch)[0] / norm)(params)  # [T, ...]
-    mesh = partitioning.create_mesh(2)  # 4 x 2
     D, M = partitioning.DATA, partitioning.MODEL
     for gen_spec, layouts in [(PartitionSpec(None, D, M, None), [None, (None, None, M, None)]),
                               (PartitionSpec(None, D), None)]:
-        with jax.set_mesh(mesh):
-            placed = {"emb": jax.device_put(params["emb"], NamedSharding(mesh, PartitionSpec())),
-                      "gen": jax.device_put(params["gen"], NamedSharding(mesh, gen_spec))}
-            fn = jax.jit(lambda p, b: per_device_task_gradients(
-                loss_sums, norm, p, b, num_tasks=T, slots=1, scatter_dims=[0, 1],
-                split=[False, True], layouts=layouts))
-            sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(D)))
-            _, _, got = fn(placed, sharded)
-            hlo = fn.lower(placed, sharded).compile().as_text()
-        for name in ("emb", "gen"):
-            np.testing.assert_allclose(np.asarray(got[name]), np.asarray(expected[name]),
-                                       rtol=1e-5, atol=1e-6, err_msg=f"{name}, {gen_spec}")
+        got, hlo = _region_gradients(
+            loss_sums, norm, params, batch, {"emb": PartitionSpec(), "gen": gen_spec},
+            expected, num_tasks=T, scatter_dims=[0, 1], split=[False, True], layouts=layouts)
         assert got["gen"].sharding.spec[2] == D  # [T, t, d / data, ...]
         # The generator is never gathered over `data` (its [t = 3, d = 8, ...] whole).
         gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
@@ -309,7 +318,6 @@ def test_embedding_tables_looked_up_split_give_the_per_task_gradients():
     split over `model` and without, and with the same table also read whole (tied logits,
     `gather`), equal the per-task gradients of one device."""
     from ktx import param_gather
-    from ktx.optim.device_slots import per_device_task_gradients
 
     T, V, E, L = 4, 6, 8, 3
     rng = np.random.default_rng(1)
@@ -328,25 +336,15 @@ def test_embedding_tables_looked_up_split_give_the_per_task_gradients():
             rows = rows + jax.nn.logsumexp(logits, -1)
         return jax.ops.segment_sum(rows, b["task_id"], num_segments=T), {}
 
-    mesh = partitioning.create_mesh(2)  # 4 x 2
     D, M = partitioning.DATA, partitioning.MODEL
     for tied in (False, True):
         expected = jax.jacrev(lambda p: loss_sums(p, batch, tied)[0] / norm)(params)
         for spec, layouts in [(PartitionSpec(M, D), [(M, None), None]),
                               (PartitionSpec(None, D), None)]:
-            with jax.set_mesh(mesh):
-                placed = {"table": jax.device_put(params["table"], NamedSharding(mesh, spec)),
-                          "w": jax.device_put(params["w"], NamedSharding(mesh, PartitionSpec()))}
-                fn = jax.jit(lambda p, b: per_device_task_gradients(
-                    functools.partial(loss_sums, tied=tied), norm, p, b, num_tasks=T, slots=1,
-                    scatter_dims=[1, 0], split=[True, False], layouts=layouts))
-                sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(D)))
-                _, _, got = fn(placed, sharded)
-                hlo = fn.lower(placed, sharded).compile().as_text()
-            for name in ("table", "w"):
-                np.testing.assert_allclose(np.asarray(got[name]), np.asarray(expected[name]),
-                                           rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{name}, {spec}, tied={tied}")
+            got, hlo = _region_gradients(
+                functools.partial(loss_sums, tied=tied), norm, params, batch,
+                {"table": spec, "w": PartitionSpec()}, expected, num_tasks=T,
+                scatter_dims=[1, 0], split=[True, False], layouts=layouts)
             assert got["table"].sharding.spec[2] == D  # [T, V, E / data]
             if not tied:  # the table [V = 6, E = 8] is never gathered whole
                 gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
@@ -361,7 +359,6 @@ def test_projected_kernels_give_the_per_task_gradients_a_slice_at_a_time(monkeyp
     device, as does the projected input's own parameter; no device holds the kernel's
     whole gradient."""
     from ktx import param_gather
-    from ktx.optim.device_slots import per_device_task_gradients
 
     T, E, V, L = 4, 8, 6, 3
     rng = np.random.default_rng(2)
@@ -377,25 +374,15 @@ def test_projected_kernels_give_the_per_task_gradients_a_slice_at_a_time(monkeyp
         return jax.ops.segment_sum(rows, b["task_id"], num_segments=T), {}
 
     expected = jax.jacrev(lambda p: loss_sums(p, batch)[0] / norm)(params)
-    mesh = partitioning.create_mesh(2)  # 4 x 2
     D, M = partitioning.DATA, partitioning.MODEL
     for chunk_bytes in (8 * 2 * 4, param_gather.PROJECT_CHUNK_BYTES):  # slices of 2 (or 1)
         monkeypatch.setattr(param_gather, "PROJECT_CHUNK_BYTES", chunk_bytes)
         for spec, layouts in [(PartitionSpec(D, M), [(None, M), None]),
                               (PartitionSpec(D), None)]:
-            with jax.set_mesh(mesh):
-                placed = {"kernel": jax.device_put(params["kernel"], NamedSharding(mesh, spec)),
-                          "w": jax.device_put(params["w"], NamedSharding(mesh, PartitionSpec()))}
-                fn = jax.jit(lambda p, b: per_device_task_gradients(
-                    loss_sums, norm, p, b, num_tasks=T, slots=1, scatter_dims=[0, 0],
-                    split=[True, False], layouts=layouts))
-                sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(D)))
-                _, _, got = fn(placed, sharded)
-                hlo = fn.lower(placed, sharded).compile().as_text()
-            for name in ("kernel", "w"):
-                np.testing.assert_allclose(
-                    np.asarray(got[name]), np.asarray(expected[name]), rtol=1e-5, atol=1e-6,
-                    err_msg=f"{name}, {spec}, {chunk_bytes} bytes")
+            got, hlo = _region_gradients(
+                loss_sums, norm, params, batch, {"kernel": spec, "w": PartitionSpec()},
+                expected, num_tasks=T, scatter_dims=[0, 0], split=[True, False],
+                layouts=layouts)
             assert got["kernel"].sharding.spec[1] == D  # [T, E / data, V]
             # Each device exchanges slices of its gradient, never the whole [E = 8, V = 6]
             # (or [8, 3] with V split over `model`) when sliced.
