@@ -375,7 +375,8 @@ def test_projected_kernels_give_the_per_task_gradients_a_slice_at_a_time(monkeyp
 
     expected = jax.jacrev(lambda p: loss_sums(p, batch)[0] / norm)(params)
     D, M = partitioning.DATA, partitioning.MODEL
-    for chunk_bytes in (8 * 2 * 4, param_gather.PROJECT_CHUNK_BYTES):  # slices of 2 (or 1)
+    default = param_gather.PROJECT_CHUNK_BYTES
+    for chunk_bytes in (8 * 2 * 4, default):  # slices of 2 (or 1), then one slice
         monkeypatch.setattr(param_gather, "PROJECT_CHUNK_BYTES", chunk_bytes)
         for spec, layouts in [(PartitionSpec(D, M), [(None, M), None]),
                               (PartitionSpec(D), None)]:
@@ -388,7 +389,7 @@ def test_projected_kernels_give_the_per_task_gradients_a_slice_at_a_time(monkeyp
             # (or [8, 3] with V split over `model`) when sliced.
             exchanged = [line for line in hlo.splitlines() if " all-to-all(" in line]
             assert exchanged
-            if chunk_bytes < param_gather.PROJECT_CHUNK_BYTES:
+            if chunk_bytes < default:
                 assert not any(re.search(r"f32\[[^\]]*,(6|3)\]", line) for line in exchanged)
 
 
