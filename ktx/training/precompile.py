@@ -99,6 +99,10 @@ class PrecompileReport:
     task_layout: str | None = None  # a balanced step: how it takes per-task gradients
     xla_flops: float | None = None  # XLA's cost analysis: loop bodies once
     matmul_flops: float | None = None  # matmuls, loops by their trip counts
+    # XLA's peak of the buffers live at once (its buffer assignment's heap simulation,
+    # arguments included); None where the compiler gives none. The total above is what
+    # the compiler reserves, and so what must fit.
+    live_peak_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -132,6 +136,9 @@ class PrecompileReport:
             f"  total       {g(self.total_bytes)}"
             + ("" if self.hbm_bytes is None else f"  of {g(self.hbm_bytes).strip()} HBM"),
         ]
+        if self.live_peak_bytes:
+            lines.append(f"  live peak   {g(self.live_peak_bytes)}  (the most the step's buffers "
+                         f"hold at once, by XLA's buffer assignment)")
         if self.flops_per_step is not None:
             line = f"  FLOPs/step  {self.flops_per_step:.4g} per device"
             if self.predicted_step_seconds is not None:
@@ -350,6 +357,7 @@ def precompile(
         task_layout=layout,
         xla_flops=xla,
         matmul_flops=matmuls,
+        live_peak_bytes=int(getattr(memory, "peak_memory_in_bytes", 0)) or None,
     )
 
 
