@@ -79,6 +79,26 @@ def weighted_cross_entropy(
     return _cross_entropy(logits, targets, weights, float(label_smoothing), float(z_loss))
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` for finite `x`: the first index of the row's maximum.
+
+    Computed as the smallest of `index + V * sign(max - x)` (`index` where `x` is the
+    maximum, above `V` elsewhere): the maximum is the one the loss's `logsumexp` takes, and
+    the rest is one more vectorised float reduction. XLA:CPU runs `argmax`'s (value, index)
+    reduction element by element; over T5-tiny's `[8, 32, 32128]` logits it took 20.7 ms
+    against 7.6 for this, the loss's own `logsumexp` 3.0. Rows holding an infinity or a NaN
+    give no index (`argmax` gives the first of them).
+    """
+    x = jnp.asarray(x, jnp.float32)
+    vocab = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    if 2 * vocab > 2 ** 24:  # float32 indices exact below 2^24
+        index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+        return jnp.min(jnp.where(x == top, index, vocab), axis=-1)
+    index = jax.lax.broadcasted_iota(jnp.float32, x.shape, x.ndim - 1)
+    return jnp.min(index + vocab * jnp.sign(top - x), axis=-1).astype(jnp.int32)
+
+
 def _smoothing(vocab: int, label_smoothing: float) -> tuple[float, float, float]:
     """`(confidence, low_confidence, normalizing_constant)` of the smoothed target `q`."""
     confidence = 1.0 - label_smoothing
@@ -355,7 +375,7 @@ class EncoderDecoderModel(BaseModel):
             inf = infusion_term(logits, targets, weights, self.infusion_beta)
             total = total + inf
             aux["infusion"] = by_task(inf)
-        correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weights
+        correct = (first_argmax(logits) == targets).astype(jnp.float32) * weights
         sums = by_task(total)
         aux.update(loss=sums, accuracy=by_task(correct), weight=by_task(weights))
         return sums, aux

@@ -98,6 +98,26 @@ def test_weighted_cross_entropy_gradient_by_hand_and_autodiff():
                                atol=1e-6)
 
 
+def test_first_argmax_is_argmax_with_ties():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 5, 97)).astype(np.float32)
+    x[0, 0, [4, 60]] = 9.0  # a tie: the first index, as argmax
+    x[0, 1, :] = 0.0  # every logit equal: index 0
+    x[1, 2, :] = -1e30
+    x[1, 2, [3, 7]] = -1e-30  # tiny differences still count
+    x[1, 2, 7] = -1e-30 * 0.5
+    x[2, 3, :] = -np.inf
+    x[2, 3, 96] = -1.0  # the maximum at the last index, -inf around it
+    got = jax.jit(seq2seq.first_argmax)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(x, axis=-1))
+    assert got.dtype == jnp.int32 and got[0, 0] == 4 and got[0, 1] == 0
+    assert got[1, 2] == 7 and got[2, 3] == 96
+    # bfloat16 logits: the argmax of the same values
+    np.testing.assert_array_equal(
+        np.asarray(seq2seq.first_argmax(jnp.asarray(x[:2], jnp.bfloat16))),
+        np.argmax(np.asarray(jnp.asarray(x[:2], jnp.bfloat16), np.float32), axis=-1))
+
+
 def test_infusion_term_hand_values():
     logits = jnp.zeros((2, 3, 4)).at[0, 0, 2].set(3.0).at[0, 1, 1].set(2.0).at[0, 2, 3].set(9.0)
     targets = jnp.array([[2, 1, 3], [0, 0, 0]])
