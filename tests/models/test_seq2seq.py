@@ -116,6 +116,10 @@ def test_first_argmax_is_argmax_with_ties():
     np.testing.assert_array_equal(
         np.asarray(seq2seq.first_argmax(jnp.asarray(x[:2], jnp.bfloat16))),
         np.argmax(np.asarray(jnp.asarray(x[:2], jnp.bfloat16), np.float32), axis=-1))
+    # Rows too long for exact float32 indices take the integer path.
+    wide = np.zeros((2, 2 ** 23 + 3), np.float32)
+    wide[0, [2 ** 23 + 1, 2 ** 23 + 2]] = 1.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(seq2seq.first_argmax)(wide)), [2 ** 23 + 1, 0])
 
 
 def test_infusion_term_hand_values():
