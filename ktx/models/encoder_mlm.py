@@ -56,7 +56,7 @@ from ktx.models.base import (
     row_ids,
     segment_sum_by_task,
 )
-from ktx.models.seq2seq import infusion_term
+from ktx.models.seq2seq import first_argmax, infusion_term
 
 __all__ = ["EncoderMlmModel", "MLM_FEATURES"]
 
@@ -169,7 +169,7 @@ class EncoderMlmModel(BaseModel):
         task_id = jnp.asarray(batch["task_id"], jnp.int32)
         logp = jax.nn.log_softmax(logits, axis=-1)
         ce = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * weights
-        hit = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weights
+        hit = (first_argmax(logits) == targets).astype(jnp.float32) * weights
 
         def by_task(x):
             return segment_sum_by_task(x, task_id, self.num_tasks)
