@@ -90,6 +90,7 @@ def parse_report(text: str) -> dict:
         "alias_gib": r"\(([\d.]+) GiB aliased",
         "temp_gib": r"temporaries\s+([\d.]+) GiB",
         "total_gib": r"total\s+([\d.]+) GiB",
+        "live_peak_gib": r"live peak\s+([\d.]+) GiB",
         "hbm_gib": r"of ([\d.]+) GiB HBM",
         "flops_per_step": r"FLOPs/step\s+([\d.eE+-]+) per device",
         "predicted_step_ms": r"at peak ([\d.]+) ms/step",
