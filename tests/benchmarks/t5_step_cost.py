@@ -1,6 +1,7 @@
 """XLA's cost analysis of the compiled T5.1.1 train step: FLOPs and bytes accessed per step.
 
     .venv/bin/python tests/benchmarks/t5_step_cost.py [--shapes tiny,small] [--no_parts]
+    PYTHONPATH=<libtpu> .venv/bin/python tests/benchmarks/t5_step_cost.py --topology=v4:2x2x1 [--t5x]
 
 The step is `Trainer.train_step` as `ktx train` compiles it (Adafactor with T5X's defaults,
 float32, dropout 0, one CPU device), on the batch `../shared/peers/t5x_side_by_side.py`
@@ -12,6 +13,13 @@ own: `grad` (the loss and its gradient) and `update` (Adafactor's update and
 `apply_updates`). Nothing runs: the numbers are deterministic for a given jax / XLA
 version, so a change that moves more bytes shows up here on any machine (docs/performance.md
 has the reference values and T5X's).
+
+`--topology` compiles the two whole steps ahead of time for a TPU topology instead (libtpu
+on the path, as for `ktx precompile`): the batch split over the topology's devices on
+`data`, as `ktx precompile` lowers a step; the figures are per device. `--t5x` (T5X's
+source and its stubs on the `PYTHONPATH`, as for `../shared/peers/t5x_side_by_side.py`)
+adds T5X's step on the same devices: its `train_with_lr` partitioned as T5X's trainer
+partitions it, its train state's shapes, tokens gathered (`--lookup` there).
 
 Prints one JSON line: `{"jax": ..., "<shape>": {"<part>": {"gflops": ..., "gbytes": ...}}}`.
 """
@@ -61,6 +69,85 @@ def batch() -> dict:
     }
 
 
+def topology_step_cost(shape: str, topology: str, with_t5x: bool = False) -> dict:
+    """Cost analysis per device of the step compiled ahead of time for `topology`."""
+    from ktx.training import precompile
+
+    devices = precompile.topology_devices(topology)
+    mesh = partitioning.create_mesh(1, devices=devices)
+    model = seq2seq.EncoderDecoderModel(
+        t5.T5Config(vocab_size=VOCAB, dropout_rate=0.0, **SHAPES[shape]), num_tasks=1)
+    spec = model.input_spec(BATCH, {"inputs": INPUT_LENGTH, "targets": TARGET_LENGTH})
+    data = partitioning.data_sharding(mesh)
+    rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in spec.items()}
+    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                               sharding=partitioning.replicated_sharding(mesh))
+    out = {"devices": len(devices)}
+    for name, norms in (("step", False), ("step_norm_metrics", True)):
+        trainer = Trainer(model, optimizers.adafactor(learning_rate=1e-3), mesh=mesh,
+                          norm_metrics=norms)
+        state = trainer.create_abstract_state(spec)[0]
+        out[name] = _cost(trainer.lower_train_step(state, rows, rng).compile())
+    if with_t5x:
+        out["t5x_step"] = _cost(t5x_step(shape, devices))
+    return out
+
+
+def t5x_step(shape: str, devices: list) -> object:
+    """T5X's T5.1.1 train step (`train_with_lr`, partitioned as its `Trainer` does: state
+    by its logical axes, batch over `data`) compiled for `devices`, Adafactor with its
+    defaults, z-loss 1e-4, tokens gathered rather than embedded by a one-hot matmul."""
+    import jax.numpy as jnp
+    import seqio
+    from jax.sharding import Mesh
+    from t5x import adafactor, models, utils
+    from t5x import partitioning as t5x_partitioning
+    from t5x import trainer as t5x_trainer
+    from t5x.examples.t5 import layers as t5x_layers
+    from t5x.examples.t5 import network
+
+    class LookupEmbed(t5x_layers.Embed):
+        def __post_init__(self):
+            object.__setattr__(self, "one_hot", False)
+            super().__post_init__()
+
+    network.layers.Embed = LookupEmbed
+    module = network.Transformer(config=network.T5Config(
+        vocab_size=VOCAB, dtype="float32", mlp_activations=("gelu", "linear"),
+        dropout_rate=0.0, logits_via_embedding=False, **SHAPES[shape]))
+    vocab = seqio.PassThroughVocabulary(size=VOCAB)
+    model = models.EncoderDecoderModel(
+        module=module, input_vocabulary=vocab, output_vocabulary=vocab, z_loss=1e-4,
+        optimizer_def=adafactor.Adafactor(
+            decay_rate=0.8, step_offset=0,
+            logical_factor_rules=adafactor.standard_logical_factor_rules()))
+    partitioner = t5x_partitioning.PjitPartitioner(
+        num_partitions=1, logical_axis_rules=t5x_partitioning.standard_logical_axis_rules())
+    partitioner.__dict__["mesh"] = Mesh(np.array(devices).reshape(-1, 1), ("data", "model"))
+    shapes = {"encoder_input_tokens": (BATCH, INPUT_LENGTH),
+              "decoder_input_tokens": (BATCH, TARGET_LENGTH),
+              "decoder_target_tokens": (BATCH, TARGET_LENGTH),
+              "decoder_loss_weights": (BATCH, TARGET_LENGTH)}
+    initializer = utils.TrainStateInitializer(
+        optimizer_def=model.optimizer_def, init_fn=model.get_initial_variables,
+        input_shapes=shapes, input_types={k: jnp.int32 for k in shapes},
+        partitioner=partitioner)
+    rate = utils.create_learning_rate_scheduler(factors="constant", base_learning_rate=1e-3)
+
+    def step(train_state, rows):
+        return t5x_trainer.train_with_lr(
+            train_state, rows, learning_rate=rate(train_state.step),
+            dropout_rng=jax.random.fold_in(jax.random.PRNGKey(1), train_state.step),
+            model=model, num_microbatches=None,
+            data_partition_spec=partitioner.data_partition_spec)
+
+    partitioned = partitioner.partition(
+        step, in_axis_resources=(initializer.train_state_axes, partitioner.data_partition_spec),
+        out_axis_resources=(initializer.train_state_axes, None), donate_argnums=(0,))
+    rows = {k: jax.ShapeDtypeStruct(v, jnp.int32) for k, v in shapes.items()}
+    return partitioned.lower(initializer.global_train_state_shape, rows).compile()
+
+
 def step_cost(shape: str, parts: bool = True) -> dict:
     """Cost analysis of the compiled step (and its parts) at `shape`."""
     model = seq2seq.EncoderDecoderModel(
@@ -104,14 +191,25 @@ def main() -> None:
                         help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--no_parts", action="store_true",
                         help="the whole step only (not the gradient and update on their own)")
+    parser.add_argument("--topology", default=None,
+                        help="a TPU topology (e.g. v4:2x2x1): the whole steps compiled ahead "
+                             "of time for it, per device (needs libtpu)")
+    parser.add_argument("--t5x", action="store_true",
+                        help="with --topology: T5X's step too (T5X's source on PYTHONPATH)")
     args = parser.parse_args()
+    if args.t5x and not args.topology:
+        parser.error("--t5x needs --topology; on this machine's CPU use "
+                     "../shared/peers/t5x_side_by_side.py")
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; accepted: {sorted(SHAPES)}")
     result = {"jax": jax.__version__, "batch": f"{BATCH}x{INPUT_LENGTH}/{TARGET_LENGTH}"}
+    if args.topology:
+        result["topology"] = args.topology
     for shape in shapes:
-        result[shape] = step_cost(shape, parts=not args.no_parts)
+        result[shape] = (topology_step_cost(shape, args.topology, args.t5x) if args.topology
+                         else step_cost(shape, parts=not args.no_parts))
     print(json.dumps(result))
 
 
