@@ -208,8 +208,16 @@ def main() -> None:
     if args.topology:
         result["topology"] = args.topology
     for shape in shapes:
-        result[shape] = (topology_step_cost(shape, args.topology, args.t5x) if args.topology
-                         else step_cost(shape, parts=not args.no_parts))
+        if not args.topology:
+            result[shape] = step_cost(shape, parts=not args.no_parts)
+            continue
+        try:
+            result[shape] = topology_step_cost(shape, args.topology, args.t5x)
+        except (RuntimeError, ValueError) as e:  # no libtpu, or an unknown topology
+            parser.error(f"--topology={args.topology}: {e}")
+        except ImportError as e:
+            parser.error(f"--t5x: {e}; put T5X's source and its stubs on PYTHONPATH "
+                         "(../shared/peers/README.md)")
     print(json.dumps(result))
 
 
