@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from ktx import linear
 from ktx.partitioning import DATA, entry_axes
 
 __all__ = ["SplitParam", "contract", "gather", "gather_layer_params", "gathering",
@@ -363,11 +364,10 @@ def project(x: jax.Array, w: Any, path: tuple | None = None) -> jax.Array:
     region = _REGIONS[-1] if _REGIONS else None
     if region is not None and region.contracted is not None and path is not None:
         region.contracted.append(tuple(path))
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
     if not isinstance(w, SplitParam):
-        return jax.lax.dot_general(x, jnp.asarray(w).astype(x.dtype), dims)
+        return linear.contract(x, jnp.asarray(w).astype(x.dtype))
     if w.shard.ndim + w.dim != 0:  # split along `rest`: gather it whole
-        return jax.lax.dot_general(x, gather(w).astype(x.dtype), dims)
+        return linear.contract(x, gather(w).astype(x.dtype))
     rows = x.reshape(-1, x.shape[-1])
     out = _project(rows, w.shard, w.acc, region.tasks, region.num_tasks, w.layout)
     return out.reshape(x.shape[:-1] + out.shape[1:])

@@ -60,6 +60,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ktx import linear
 from ktx.models.t5 import ACTIVATION_DTYPES
 from ktx.models.t5_stack import check_remat_policy, gathered_layers, layer_class
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LAYERS, LENGTH, MLP, VOCAB
@@ -232,8 +233,8 @@ class DenseGeneral(nn.Module):
                             in_shape + features, jnp.float32)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
                           features, jnp.float32)
-        y = jax.lax.dot_general(jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype),
-                                ((axis, tuple(range(len(axis)))), ((), ())))
+        y = linear.contract(jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype),
+                            len(axis))
         return y + jnp.asarray(bias, self.dtype)
 
 

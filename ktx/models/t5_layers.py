@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ktx import param_gather
+from ktx import linear, param_gather
 from ktx.models.t5_stack import recompute_elementwise
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, RELPOS_BUCKETS, VOCAB
 
@@ -89,9 +89,7 @@ class DenseGeneral(nn.Module):
         if self.split_input and len(axis) == 1:  # a `SplitParam` in a balanced region
             kernel = param_gather.module_param(self, "kernel", declare)
             return param_gather.project(x, kernel, self.scope.path + ("kernel",))
-        kernel = jnp.asarray(declare(), self.dtype)
-        contract = (axis, tuple(range(len(axis))))
-        return lax.dot_general(x, kernel, (contract, ((), ())))
+        return linear.contract(x, jnp.asarray(declare(), self.dtype), len(axis))
 
 
 class Embed(nn.Module):
