@@ -12,10 +12,11 @@ the product outside XNNPACK. A T5.1.1-Small MLP block's backward pass (`[8, 128,
 rows, two `[512, 1024]` input kernels) took 56 ms and accessed 0.141 GB that way, 35 ms
 and 0.107 GB this way (docs/performance.md).
 
-The forward product is the same `dot_general`, and JAX traces the custom VJP's forward
-into a differentiated step, so remat policies that save dots
-(`checkpoint_dots_with_no_batch_dims`, `dots_saveable`) save it as before. Forward-mode
-differentiation (`jax.jvp`) through it is not supported.
+The forward product is the same `dot_general`. A remat policy does not see a dot inside
+a custom VJP, so the product is named `SAVE_NAME` (`jax.ad_checkpoint.checkpoint_name`)
+and the dot-saving policies of `ktx.models.t5_stack.remat_policy` save that name too:
+they keep what they kept when the product was a plain dot. Forward-mode differentiation
+(`jax.jvp`) through it is not supported.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ import functools
 
 import jax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["contract"]
+__all__ = ["SAVE_NAME", "contract"]
+
+# The name a remat policy saves the product by (`checkpoint_name`).
+SAVE_NAME = "ktx.linear.contract"
 
 
 def _dims(x_ndim: int, n_in: int) -> tuple:
@@ -40,7 +45,7 @@ def contract(x: jax.Array, kernel: jax.Array, n_in: int = 1) -> jax.Array:
 
 
 def _contract_fwd(x, kernel, n_in):
-    return contract(x, kernel, n_in), (x, kernel)
+    return checkpoint_name(contract(x, kernel, n_in), SAVE_NAME), (x, kernel)
 
 
 def _contract_bwd(n_in, residuals, g):

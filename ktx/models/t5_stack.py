@@ -6,7 +6,8 @@ rematerialisation (the T5X scalable-T5 options).
   (`jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims`, T5X's 'minimal') and
   recomputes the rest; `"dots"` saves every matmul output, attention scores included
   (`jax.checkpoint_policies.dots_saveable`), and recomputes only the elementwise work
-  between them; `"full"` saves nothing but each layer's input. Applied per layer
+  between them; `"full"` saves nothing but each layer's input. The dense layers' products
+  (`ktx.linear.contract`, a custom VJP) are saved by name as well. Applied per layer
   (`nn.remat` on the layer module): the numbers are those of `"none"`. T5.1.1-Small on
   XLA:CPU (docs/scale.md): scanned 'none' runs at 0.97-1.03x the unrolled step without
   remat, scanned 'dots' and 'minimal' at 0.93-1.0x with 20-30% less memory.
@@ -37,6 +38,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from ktx import linear
 from ktx.param_gather import gather_layer_params, stack_hook
 from ktx.partitioning import LAYERS
 
@@ -59,13 +61,21 @@ def check_remat_policy(
 
 
 def remat_policy(name: str) -> Any:
-    """The `jax.checkpoint` policy of a `REMAT_POLICIES` name (None: save nothing)."""
+    """The `jax.checkpoint` policy of a `REMAT_POLICIES` name (None: save nothing).
+
+    "minimal" saves the dots without batch dimensions (dense layers' products, not
+    attention's), "dots" every dot; both also save the dense layers' products by name
+    (`ktx.linear.SAVE_NAME`: a dot inside a custom VJP is not seen as one)."""
     check_remat_policy(name)
+    policies = jax.checkpoint_policies
     if name == "minimal":
-        return jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-    if name == "dots":
-        return jax.checkpoint_policies.dots_saveable
-    return None
+        dots = policies.checkpoint_dots_with_no_batch_dims
+    elif name == "dots":
+        dots = policies.dots_saveable
+    else:
+        return None
+    return policies.save_from_both_policies(
+        dots, policies.save_only_these_names(linear.SAVE_NAME))
 
 
 def recompute_elementwise(fn: Any) -> Any:
