@@ -63,7 +63,8 @@ def _contract_bwd(n_in, residuals, g):
     dx = lax.dot_general(rows_g, flat_kernel, (((1,), (1,)), ((), ())))
     # The kernel's: x's rows with g's, `[in, out]`, x first (see the module docstring).
     dkernel = lax.dot_general(rows_x, rows_g, (((0,), (0,)), ((), ())))
-    return dx.reshape(x.shape).astype(x.dtype), dkernel.reshape(kernel.shape).astype(kernel.dtype)
+    return (dx.reshape(x.shape).astype(x.dtype),
+            dkernel.reshape(kernel.shape).astype(kernel.dtype))
 
 
 contract.defvjp(_contract_fwd, _contract_bwd)
