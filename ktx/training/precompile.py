@@ -241,6 +241,16 @@ def _accelerator_type(topology: str) -> str:
     return f"{chip.lower().replace('v5e', 'v5litepod')}-{chips * per_chip}"
 
 
+def abstract_inputs(mesh: Any, spec: Mapping[str, Any]) -> tuple[dict, Any]:
+    """A step's abstract batch (`spec`'s shapes and dtypes split over `mesh`'s `data` axis)
+    and its replicated rng key, for `Trainer.lower_train_step` without arrays."""
+    data = partitioning.data_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in spec.items()}
+    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                               sharding=partitioning.replicated_sharding(mesh))
+    return batch, rng
+
+
 def equal_task_counts(num_tasks: int, batch_size: int) -> tuple[int, ...]:
     """`batch_size` rows shared equally by `num_tasks` tasks (the first ones one more)."""
     t = num_tasks
@@ -302,10 +312,7 @@ def precompile(
                       task_grad_dtype=task_grad_dtype)
     spec = model.input_spec(batch_size, task_feature_lengths)
     abstract_state, _ = trainer.create_abstract_state(spec)
-    data = partitioning.data_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in spec.items()}
-    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
-                               sharding=partitioning.replicated_sharding(mesh))
+    batch, rng = abstract_inputs(mesh, spec)
     counts = None
     if balancer is not None and num_microbatches == 1:
         counts = check_task_counts(task_counts, model.num_tasks, batch_size)

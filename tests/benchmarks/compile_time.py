@@ -26,7 +26,7 @@ import jax
 
 from ktx import partitioning
 from ktx.models import seq2seq, t5
-from ktx.training import optimizers
+from ktx.training import optimizers, precompile
 from ktx.training.trainer import Trainer
 
 # Published T5.1.1 shapes (Raffel et al., 2020; gin/models/t5_1_1_*.gin).
@@ -54,10 +54,7 @@ def measure(name: str, layout: str, batch_size: int, lengths: dict, remat: str) 
     trainer = Trainer(model, optimizers.adafactor(learning_rate=1e-3), mesh=mesh)
     spec = model.input_spec(batch_size, lengths)
     abstract_state, _ = trainer.create_abstract_state(spec)
-    data = partitioning.data_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in spec.items()}
-    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
-                               sharding=partitioning.replicated_sharding(mesh))
+    batch, rng = precompile.abstract_inputs(mesh, spec)
     start = time.perf_counter()
     lowered = trainer.lower_train_step(abstract_state, batch, rng)
     lowered_at = time.perf_counter()

@@ -78,10 +78,7 @@ def topology_step_cost(shape: str, topology: str, with_t5x: bool = False) -> dic
     model = seq2seq.EncoderDecoderModel(
         t5.T5Config(vocab_size=VOCAB, dropout_rate=0.0, **SHAPES[shape]), num_tasks=1)
     spec = model.input_spec(BATCH, {"inputs": INPUT_LENGTH, "targets": TARGET_LENGTH})
-    data = partitioning.data_sharding(mesh)
-    rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in spec.items()}
-    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
-                               sharding=partitioning.replicated_sharding(mesh))
+    rows, rng = precompile.abstract_inputs(mesh, spec)
     out = {"devices": len(devices)}
     for name, norms in (("step", False), ("step_norm_metrics", True)):
         trainer = Trainer(model, optimizers.adafactor(learning_rate=1e-3), mesh=mesh,
