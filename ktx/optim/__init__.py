@@ -16,7 +16,7 @@ their weights before any gradient (`tx.weights(state, task_losses, task_present)
 `loss_weighted_gradient` then builds the combined gradient at a plain step's cost.
 """
 
-from ktx.optim.diagnostics import diagnostics, find_metabalance_state
+from ktx.optim.diagnostics import PackedScalars, diagnostics, find_metabalance_state
 from ktx.optim.engine import (
     METHODS,
     compute_task_gradients,
@@ -92,6 +92,7 @@ __all__ = [
     "PCGradState",
     "grad_similarity",
     "diagnostics",
+    "PackedScalars",
     "find_metabalance_state",
     "plot_gradient_magnitudes",
     "read_gradient_magnitudes",

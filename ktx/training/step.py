@@ -349,8 +349,9 @@ def train_step(
     `options.norm_metrics` `grad_norm` (of the gradient the optimizer saw: the balanced
     one on the balanced path), `update_norm`, `param_norm`.
     `diagnostics` holds `ktx.optim.diagnostics(task_grads, balancer_state,
-    target_task=...)` (per-group gradient norms, cosines to the target, MetaBalance
-    weights) on the balanced path's logged steps; on its other steps zeros in a step
+    target_task=..., packed=True)` (per-group gradient norms, cosines to the target,
+    MetaBalance weights: a `PackedScalars` mapping, one array) on the balanced path's
+    logged steps; on its other steps zeros in a step
     compiled with the diagnostics' `lax.cond` (`options.log_diagnostics` None: every step
     of a scanned block has one structure) and `{}` in a step compiled not to log
     (`diagnostics_logged` says which steps logged); `{}` on the plain path.
@@ -437,7 +438,8 @@ def train_step(
             return task_losses, aux, grads, new_balancer_state, per_task
 
         def diagnostics_of(per_task, new_balancer_state):
-            return optim.diagnostics(per_task, new_balancer_state, target_task=options.target_task)
+            return optim.diagnostics(per_task, new_balancer_state, target_task=options.target_task,
+                                     packed=True)
 
         if _weights_from_losses(optimizer, options):
             # Weights known from the losses: one backward pass of the weighted loss; the
