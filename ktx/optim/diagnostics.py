@@ -121,8 +121,8 @@ def diagnostics(
         raise ValueError(f"diagnostics: target_task={target_task!r} but num_tasks={t}")
     names = group_names(treedef.unflatten([0] * len(stacked)), groups)
     # Per group, each task's squared norm and inner product with the target: 2T sums of
-    # products, not a [T, T] Gram (T5.1.1-Base + MetaBalance on v4-32 with 2-D dims:
-    # the step with the diagnostics' branch 1.296 -> 1.290 GiB, the step without it).
+    # products, not a [T, T] Gram (T5.1.1-Base + MetaBalance on v4-32 with 2-D dims: the
+    # step with the diagnostics' cond 1.296 -> 1.291 GiB; packed, 1.290).
     sums: dict[str, tuple[jax.Array, jax.Array]] = {}
     for name, s in zip(names, stacked):
         if s is not None:

@@ -351,10 +351,10 @@ def train_step(
     `diagnostics` holds `ktx.optim.diagnostics(task_grads, balancer_state,
     target_task=..., packed=True)` (per-group gradient norms, cosines to the target,
     MetaBalance weights: a `PackedScalars` mapping, one array) on the balanced path's
-    logged steps; on its other steps zeros in a step
-    compiled with the diagnostics' `lax.cond` (`options.log_diagnostics` None: every step
-    of a scanned block has one structure) and `{}` in a step compiled not to log
-    (`diagnostics_logged` says which steps logged); `{}` on the plain path.
+    logged steps; on its other steps zeros in a step compiled with the diagnostics'
+    `lax.cond` (`options.log_diagnostics` None: every step of a scanned block has one
+    structure) and `{}` in a step compiled not to log (`diagnostics_logged` says which
+    steps logged); `{}` on the plain path.
     """
     num_tasks = model.num_tasks
     step_rng = jax.random.fold_in(rng, state.step)
