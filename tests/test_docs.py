@@ -102,6 +102,11 @@ SNIPPETS = [(p, i, code) for p in PAGES
 def test_python_snippet_runs(page, index, code):
     import seqio
 
+    # ktx's own tasks first: a snippet importing `ktx.tasks` would otherwise register them
+    # here and have them removed below, while the module stays imported (a later test in
+    # this process then found `synthetic_quickstart` unregistered).
+    import ktx.tasks  # noqa: F401
+
     tasks, mixtures = set(seqio.TaskRegistry.names()), set(seqio.MixtureRegistry.names())
     try:
         exec(compile(code, f"{page.name}[block {index}]", "exec"), {"__name__": "docs_snippet"})
