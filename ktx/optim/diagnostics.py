@@ -28,6 +28,7 @@ from ktx.optim.task_gradients import (
     SparseRows,
     flatten_task_gradients,
     leaf_gram,
+    leaf_sq_norms,
     num_tasks_of,
 )
 
@@ -89,13 +90,12 @@ def _norm_and_target_products(x: Any, target_task: int) -> tuple[jax.Array, jax.
     with the target task's (float32). A `SparseRows` leaf's come from its Gram (products
     over the rows, no table built); a dense leaf's are two sums of products reduced over
     every parameter axis as it lies, so a leaf split over a mesh is reduced shard by shard
-    (as `leaf_sq_norms`)."""
+    (the squares by `leaf_sq_norms`)."""
     if isinstance(x, SparseRows):
         gram = leaf_gram(x)
         return jnp.diagonal(gram), gram[:, target_task]
     f = x.astype(jnp.float32)
-    axes = tuple(range(1, f.ndim))
-    return jnp.sum(f * f, axis=axes), jnp.sum(f * f[target_task], axis=axes)
+    return leaf_sq_norms(f), jnp.sum(f * f[target_task], axis=tuple(range(1, f.ndim)))
 
 
 def diagnostics(
