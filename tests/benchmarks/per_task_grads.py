@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import statistics
 import sys
@@ -199,16 +200,35 @@ def _optimizer(name):
     return optax.scale_by_learning_rate(1e-3) if name == "mtadam" else optax.adam(1e-3)
 
 
-def trainer(model, balancer, sparse=None, mesh=None):
+def trainer(model, balancer, sparse=None, mesh=None, shared=None):
     """The `Trainer` whose step the trainer path times, plain (`balancer=None`) or with a
-    balancer of `ko.BALANCERS` by name (`gpu_launches.py` compiles the same step)."""
+    balancer of `ko.BALANCERS` by name (`gpu_launches.py` compiles the same step);
+    `shared` replaces the model's shared-parameter patterns (`ktx.optim.selection`)."""
     from ktx.training.trainer import Trainer
 
     return Trainer(model, _optimizer(balancer), mesh=mesh,
                    balancer=None if balancer is None else _balancer(balancer),
-                   shared=getattr(model, "shared_param_patterns", None),
+                   shared=shared if shared is not None
+                   else getattr(model, "shared_param_patterns", None),
                    sparse_tables=sparse if balancer is not None else None,
                    diagnostics_period=DIAGNOSTICS_PERIOD)
+
+
+def parse_shared_variants(text: str) -> dict[str, list[str]]:
+    """`NAME=REGEX;NAME=REGEX` -> {NAME: [REGEX]}: MetaBalance configurations that balance
+    only the parameters whose names match REGEX (`re.search`; the others' task gradients
+    are summed), to see which parameters a balanced step's extra time goes to."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        name, sep, regex = item.partition("=")
+        if not sep or not name or not regex:
+            raise ValueError(f"--shared_variants item {item!r}; accepted: NAME=REGEX")
+        if name in ko.BALANCERS or name == "plain" or name in out:
+            raise ValueError(f"--shared_variants name {name!r} is taken (a balancer, 'plain' "
+                             "or an earlier variant)")
+        re.compile(regex)
+        out[name] = [regex]
+    return out
 
 
 def _bytes_accessed(tr, state, host_batch, counts):
@@ -247,17 +267,22 @@ def _steal_and_total():
 
 
 def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None, cost=False,
-                 ops=False, repeat_seconds=0.0):
-    """Interleaved timing of `Trainer.train_step`, plain and with every balancer: each
+                 ops=False, repeat_seconds=0.0, shared_variants=None):
+    """Interleaved timing of `Trainer.train_step`, plain and with every balancer (and every
+    MetaBalance configuration of `shared_variants`, `parse_shared_variants`): each
     timed block is `steps` steps, or more if the plain step needs more to fill
     `repeat_seconds` (a block of a few milliseconds is at the mercy of one scheduling
     hiccup; a longer one also takes the diagnostics steps in at their period)."""
     host_batch = jax.device_get(batch)
-    names = list(balancers or ko.BALANCERS)
+    shared_variants = dict(shared_variants or {})
+    names = list(balancers or ko.BALANCERS) + list(shared_variants)
     configs = {"plain": None, **{name: name for name in names}}
     runs, nbytes, op_counts = {}, {}, {}
     for name, balancer in configs.items():
-        tr = trainer(model, balancer, sparse)
+        if name in shared_variants:
+            tr = trainer(model, "metabalance", sparse, shared=shared_variants[name])
+        else:
+            tr = trainer(model, balancer, sparse)
         state = tr.init_state(jax.random.key(0), host_batch)
         # Warm-up through the first diagnostics step: a balanced Trainer compiles its step
         # with diagnostics there (once per run, as `ktx train` does), which a timed block
@@ -395,7 +420,14 @@ def main(argv=None):
                    help="also XLA's bytes accessed per step, balanced / plain (compiles twice)")
     p.add_argument("--ops", action="store_true",
                    help="also the compiled steps' instruction, fusion, sort and while-loop counts")
+    p.add_argument("--shared_variants", default="",
+                   help="NAME=REGEX;...: also time MetaBalance balancing only the parameters "
+                        "matching REGEX (e.g. 'mb_logits=logits_dense'), under NAME")
     args = p.parse_args(argv)
+    try:
+        shared_variants = parse_shared_variants(args.shared_variants)
+    except (ValueError, re.error) as e:
+        p.error(str(e))
     # As `ktx train` on a CPU: freed host memory is kept for the next step
     # ($KTX_HOST_MALLOC, ktx.training.host_malloc).
     malloc = host_malloc.configure_on_cpu()
@@ -412,7 +444,7 @@ def main(argv=None):
         trainer_ratios[key], trainer_times[key] = trainer_path(
             model, batch, counts, args.steps, args.repeats, sparse,
             [b for b in args.balancers.split(",") if b] or None, args.cost, args.ops,
-            args.repeat_seconds)
+            args.repeat_seconds, shared_variants)
         print(json.dumps({"trainer_path": {key: trainer_ratios[key]}}), flush=True)
     result = {
         "benchmark": "per_task_grads",
