@@ -27,6 +27,7 @@ def test_variants_parse_to_one_pattern_each():
     ("metabalance=x", "is taken"),
     ("plain=x", "is taken"),
     ("a=x;a=y", "is taken"),
+    ("a=(unclosed", "not a regular expression"),
 ])
 def test_bad_variants_are_refused_by_name(text, says):
     with pytest.raises(ValueError, match=says):

@@ -226,7 +226,11 @@ def parse_shared_variants(text: str) -> dict[str, list[str]]:
         if name in ko.BALANCERS or name == "plain" or name in out:
             raise ValueError(f"--shared_variants name {name!r} is taken (a balancer, 'plain' "
                              "or an earlier variant)")
-        re.compile(regex)
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise ValueError(f"--shared_variants item {item!r}: not a regular expression "
+                             f"({e})") from None
         out[name] = [regex]
     return out
 
@@ -426,7 +430,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         shared_variants = parse_shared_variants(args.shared_variants)
-    except (ValueError, re.error) as e:
+    except ValueError as e:
         p.error(str(e))
     # As `ktx train` on a CPU: freed host memory is kept for the next step
     # ($KTX_HOST_MALLOC, ktx.training.host_malloc).
