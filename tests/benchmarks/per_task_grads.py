@@ -280,13 +280,12 @@ def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=No
     host_batch = jax.device_get(batch)
     shared_variants = dict(shared_variants or {})
     names = list(balancers or ko.BALANCERS) + list(shared_variants)
-    configs = {"plain": None, **{name: name for name in names}}
+    # name -> (balancer, shared-parameter patterns: None for the model's own)
+    configs = {"plain": (None, None), **{name: (name, None) for name in balancers or ko.BALANCERS},
+               **{name: ("metabalance", shared) for name, shared in shared_variants.items()}}
     runs, nbytes, op_counts = {}, {}, {}
-    for name, balancer in configs.items():
-        if name in shared_variants:
-            tr = trainer(model, "metabalance", sparse, shared=shared_variants[name])
-        else:
-            tr = trainer(model, balancer, sparse)
+    for name, (balancer, shared) in configs.items():
+        tr = trainer(model, balancer, sparse, shared=shared)
         state = tr.init_state(jax.random.key(0), host_batch)
         # Warm-up through the first diagnostics step: a balanced Trainer compiles its step
         # with diagnostics there (once per run, as `ktx train` does), which a timed block
