@@ -8,12 +8,11 @@ from __future__ import annotations
 import pathlib
 import re
 
-import gin
 import pytest
 
-from ktx.cli.study import load_study
-from ktx.studies import report as report_lib
 from ktx.studies.records import load_records
+from tests.studies.tables import between, study_report
+from tests.studies.tables import close as _close
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "results_recsys.md"
@@ -24,11 +23,8 @@ METRICS = ("validation_ranking/buy/ndcg@10", "test_ranking/buy/ndcg@10",
 
 
 def _report(baseline: str):
-    study = load_study(str(REPO / "gin" / "studies" / "metabalance_tmall_authors.gin"),
-                       bindings=[("BASELINE", repr(baseline))],
-                       directory=str(REPO / "docs" / "results" / "recsys_authors"))
-    gin.clear_config()
-    report = report_lib.build(study, load_records(study.directory))
+    _, report = study_report("metabalance_tmall_authors", "recsys_authors",
+                             bindings=[("BASELINE", repr(baseline))])
     # The phase-1 grid's other six runs (its `both`, r = 0.3 run is phase 2's seed 0).
     assert sorted(i.split("-seed0.json")[0] for i in report.ignored) == sorted(
         f"metabalance_{g}" for g in GRID if g != "both_r0.3"), report.ignored
@@ -41,18 +37,8 @@ def reports():
     return {"single_loss": _report("single_loss"), "vanilla_multi": _report("vanilla_multi")}
 
 
-def _close(got: float, shown: str) -> bool:
-    decimals = len(shown.split(".")[1]) if "." in shown else 0
-    return abs(got - float(shown)) <= 0.5 * 10 ** -decimals + 1e-9
-
-
 def _rows(marker: str) -> list[list[str]]:
-    text = DOC.read_text()
-    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
-    assert text.count(begin) == 1 and text.count(end) == 1, marker
-    body = text.split(begin, 1)[1].split(end, 1)[0]
-    return [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in body.splitlines() if line.startswith("|") and not line.startswith("|---")][1:]
+    return between(DOC, marker)[1:]  # without the header
 
 
 def _arm(reports, label):
@@ -95,10 +81,10 @@ def _check_run(row, values, data):
 def test_every_grid_row_is_its_record():
     rows = _rows("authors_grid")
     assert len(rows) == len(GRID)
+    records = load_records(REPO / "docs" / "results" / "recsys_authors")
     for row in rows:
         strategy, r = re.fullmatch(r"MetaBalance, (\w+), r = ([\d.]+)", row[0]).groups()
-        (record,) = [x for x in load_records(REPO / "docs" / "results" / "recsys_authors")
-                     if x.arm == f"metabalance_{strategy}_r{r}" and x.seed == 0]
+        (record,) = [x for x in records if x.arm == f"metabalance_{strategy}_r{r}" and x.seed == 0]
         _check_run(row, record.metrics, record.data)
 
 

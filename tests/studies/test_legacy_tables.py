@@ -8,36 +8,14 @@ import math
 import pathlib
 import re
 
-import gin
 import pytest
 
-from ktx.cli.study import load_study
-from ktx.studies import report as report_lib
 from ktx.studies.records import load_records
+from tests.studies.tables import between as _between
+from tests.studies.tables import study_report as _report
+from tests.studies.tables import close as _close
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _between(path: pathlib.Path, name: str) -> list[list[str]]:
-    text = path.read_text()
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    assert text.count(begin) == 1 and text.count(end) == 1, (path, name)
-    body = text.split(begin, 1)[1].split(end, 1)[0]
-    return [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in body.splitlines() if line.startswith("|") and not line.startswith("|---")]
-
-
-def _report(name: str, records: str):
-    study = load_study(str(REPO / "gin" / "studies" / f"{name}.gin"),
-                       directory=str(REPO / "docs" / "results" / records))
-    gin.clear_config()
-    return study, report_lib.build(study, load_records(study.directory))
-
-
-def _close(got: float, shown: str) -> bool:
-    """`got` rounds to the table's figure (its own number of decimals)."""
-    decimals = len(shown.split(".")[1]) if "." in shown else 0
-    return abs(got - float(shown)) <= 0.5 * 10 ** -decimals + 1e-9
 
 
 def _per_seed(cell: str) -> tuple[list[str], str | None]:
