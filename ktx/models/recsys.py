@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ktx import linear, task_taps
 from ktx import partitioning as P
 from ktx.models.base import BaseModel, Batch, RowDropout, row_ids, segment_sum_by_task
 
@@ -152,6 +153,25 @@ class SharedBottomNet(nn.Module):
         return self.towers(shared, dropout)  # [B, T]
 
 
+class _Dense(nn.Module):
+    """`nn.Dense` (the same parameters, `kernel [in, out]` and `bias [out]`, and the same
+    product) that reads them through task taps when a balanced step gives it some
+    (`ktx.task_taps`)."""
+
+    features: int
+    kernel_init: Any
+    bias_init: Any
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
+        bias = self.param("bias", self.bias_init, (self.features,), jnp.float32)
+        tap = task_taps.read(self, "kernel")
+        y = linear.contract(x, kernel) if tap is None else task_taps.contract(x, kernel, 1, tap)
+        tap = task_taps.read(self, "bias")
+        return y + (bias if tap is None else task_taps.rows(bias, tap, x.shape[0]))
+
+
 class _Mlp(nn.Module):
     """ReLU MLP `[B, in] -> [B, dims[-1]]`, dropout after every layer when training
     (`dropout_before`: on every layer's input instead, as NCF's MLP)."""
@@ -167,7 +187,7 @@ class _Mlp(nn.Module):
         for k, d in enumerate(self.dims):
             if self.dropout_before:
                 x = dropout(x)
-            x = nn.Dense(
+            x = _Dense(
                 d,
                 kernel_init=nn.with_logical_partitioning(init, (P.EMBED, P.MLP)),
                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (P.MLP,)),

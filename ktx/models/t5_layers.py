@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ktx import linear, param_gather
+from ktx import linear, param_gather, task_taps
 from ktx.models.t5_stack import recompute_elementwise
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LENGTH, MLP, RELPOS_BUCKETS, VOCAB
 
@@ -86,6 +86,9 @@ class DenseGeneral(nn.Module):
         declare = functools.partial(self.param, "kernel", nn.with_logical_partitioning(
             init, self.kernel_axes), kernel_shape, jnp.float32)
         x = jnp.asarray(x, self.dtype)
+        tap = task_taps.read(self, "kernel")
+        if tap is not None:  # per-task kernel gradients in one backward pass
+            return task_taps.contract(x, jnp.asarray(declare(), self.dtype), len(axis), tap)
         if self.split_input and len(axis) == 1:  # a `SplitParam` in a balanced region
             kernel = param_gather.module_param(self, "kernel", declare)
             return param_gather.project(x, kernel, self.scope.path + ("kernel",))
@@ -145,6 +148,10 @@ class RMSNorm(nn.Module):
                 "scale", nn.with_logical_partitioning(nn.initializers.ones, (EMBED,)),
                 (features,), jnp.float32,
             )
+            tap = task_taps.read(self, "scale")
+            if tap is not None:  # each example's task's scale, per-task gradients
+                scale = task_taps.rows(scale, tap, x.shape[0])
+                scale = scale.reshape((scale.shape[0],) + (1,) * (x.ndim - 2) + (features,))
         else:
             if scale.shape[-1] != features or scale.ndim not in (1, 2) or (
                 scale.ndim == 2 and scale.shape[0] != x.shape[0]
@@ -251,7 +258,8 @@ class RelativePositionBiases(nn.Module):
 
     @nn.compact
     def __call__(self, query_positions: Array, key_positions: Array, bidirectional: bool) -> Array:
-        """`query_positions` `[Lq]`, `key_positions` `[Lk]` (int) -> bias `[1, H, Lq, Lk]`."""
+        """`query_positions` `[Lq]`, `key_positions` `[Lk]` (int) -> bias `[1, H, Lq, Lk]`
+        (`[B, H, Lq, Lk]` with a tap, `ktx.task_taps`)."""
         table = self.param(
             "rel_embedding",
             nn.with_logical_partitioning(
@@ -265,6 +273,11 @@ class RelativePositionBiases(nn.Module):
         buckets = relative_position_bucket(
             relative, bidirectional, self.num_buckets, self.max_distance
         )
+        tap = task_taps.read(self, "rel_embedding")
+        if tap is not None:  # each task's biases, expanded to its examples: [B, H, Lq, Lk]
+            dtype = jnp.dtype(self.dtype)
+            tables = task_taps.per_task(table, tap)
+            return task_taps.expand(jax.vmap(lambda t: bucket_biases(t, buckets, dtype))(tables))
         return bucket_biases(table, buckets, jnp.dtype(self.dtype))[None]
 
 

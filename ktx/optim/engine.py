@@ -21,7 +21,15 @@ parameters, stacked on a leading task axis, from inside a jitted train step:
   gradients are added up by task into `[T, ...]` shards split over `data`
   (`ktx.optim.device_slots`): one backward pass of FLOPs with rows grouped by task, no
   block padded to the `data` axis, and `T` gradient shards per device.
-* `method="auto"`: blocks when `task_counts` is given, vjp otherwise.
+* `method="taps"` (task-partitioned batches with static counts: `task_counts`, or a
+  `task_capacity` whose blocks fill the batch): one forward and one backward pass over
+  the whole batch, every balanced parameter read through a tap whose gradient is its
+  per-task gradients (`ktx.task_taps`, `ktx.optim.tapped`): the activations' cotangents
+  are the plain step's, only the parameters' gradients carry the task axis. The model's
+  layers must read every balanced parameter through a tap (T5's and the recommendation
+  model's do); a parameter that is not is an error naming it.
+* `method="auto"`: taps when the counts are static and every balanced parameter has a
+  tap, blocks when `task_counts` or `task_capacity` is given, vjp otherwise.
 
 `loss_weighted_gradient` is the shortcut for balancers whose weights depend on the losses
 only (`ktx.optim.LossWeighting`): the weighted sum of the task gradients from one forward
@@ -40,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ktx.optim import tapped
 from ktx.optim.selection import shared_mask
 from ktx.optim.sparse import SparseLookups
 from ktx.optim.task_gradients import SparseRows, TaskGradients, leaf_combine, task_sum
@@ -53,7 +62,7 @@ __all__ = [
     "split_shared",
 ]
 
-METHODS = ("auto", "blocks", "vjp", "devices")
+METHODS = ("auto", "taps", "blocks", "vjp", "devices")
 
 LossSumsFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -217,6 +226,12 @@ def _check_slots(task_id: Any, slots: int) -> None:
             raise ValueError(message(n))
 
     jax.debug.callback(fail_if, task_id)
+
+
+def _data_ways() -> int:
+    """The size of the `data` axis of the mesh being traced under (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(DATA, 1)
 
 
 def _own_entries(per_block: Any, present: Sequence[int], num_tasks: int) -> Any:
@@ -451,7 +466,8 @@ def compute_task_gradients(
         raise ValueError(f"method={method!r}; accepted: {METHODS}")
     if task_counts is not None and task_capacity is not None:
         raise ValueError("give task_counts (exact, static) or task_capacity (block sizes), not both")
-    if method == "auto":
+    auto = method == "auto"
+    if auto:
         method = "blocks" if (task_counts is not None or task_capacity is not None) else "vjp"
     normalizer = jax.lax.stop_gradient(jnp.asarray(normalizer))
     if normalizer.shape != (num_tasks,):
@@ -470,10 +486,10 @@ def compute_task_gradients(
             loss_sums_fn, normalizer, params, batch, num_tasks=num_tasks, slots=slots,
             scatter_dims=scatter_dims, split=split, layouts=layouts, dtype=dtype)
         return sums / normalizer, aux, split_shared(grads, params, shared)
-    if method == "blocks":
+    if method in ("blocks", "taps"):
         if task_counts is None and task_capacity is None:
             raise ValueError(
-                "method='blocks' needs task_counts or task_capacity (a task-partitioned "
+                f"method={method!r} needs task_counts or task_capacity (a task-partitioned "
                 "batch); use method='vjp' or 'auto' for sampled batches"
             )
         if task_counts is not None:
@@ -482,6 +498,32 @@ def compute_task_gradients(
         else:
             sizes = _validate_capacity(task_capacity, num_tasks, batch)
             _, starts = _dynamic_counts(batch["task_id"], sizes, check_layout)
+        n = next(iter(batch.values())).shape[0]
+        if method == "taps" and sum(sizes) != n:
+            raise ValueError(
+                f"method='taps' needs static rows per task: task_counts, or a task_capacity "
+                f"that fills the batch (capacity {sizes} sums to {sum(sizes)}, the batch has "
+                f"{n} rows); use method='blocks'")
+        if method == "taps" or (auto and sum(sizes) == n and _data_ways() == 1):
+            # Static counts (capacities that fill the batch are the counts).
+            plan = tapped.plan(loss_sums_fn, params, batch, sizes, shared, sparse_tables)
+            if plan.missing and not auto:
+                raise ValueError(
+                    f"method='taps': the balanced parameters {plan.missing[:5]} "
+                    f"({len(plan.missing)} in all) are not read through a task tap "
+                    "(ktx.task_taps); use method='blocks', or balance fewer parameters "
+                    "(shared=)")
+            if not plan.missing:
+                sums, aux, task_grads = tapped.task_gradients(
+                    loss_sums_fn, normalizer, params, batch, num_tasks, sizes, plan,
+                    sparse_tables)
+                if dtype is not None:
+                    task_grads = TaskGradients(
+                        stacked=jax.tree.map(
+                            lambda g: g if isinstance(g, SparseRows) else g.astype(dtype),
+                            task_grads.stacked, is_leaf=lambda x: isinstance(x, SparseRows)),
+                        summed=task_grads.summed)
+                return sums / normalizer, aux, task_grads
         if sparse_tables:
             sl = SparseLookups(loss_sums_fn, params, sparse_tables)
             sums, aux, grads = _sparse_blocks(

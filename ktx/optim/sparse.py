@@ -109,14 +109,16 @@ class SparseLookups:
             )
         return specs
 
-    def fn(self, params: Any) -> Callable:
-        """`(dense_leaves, deltas, batch) -> (sums, (aux, indices))`."""
+    def fn(self, params: Any, wrap: Callable | None = None) -> Callable:
+        """`(dense_leaves, deltas, batch) -> (sums, (aux, indices))`; `wrap`, if given,
+        maps the whole parameter tree before `loss_sums_fn` reads it."""
         tables = [jax.tree.leaves(params)[i] for i in self.table_ids]
 
         def f(dense, deltas, batch):
             record: list = []
+            full = self._full(dense, tables)
             with nn.intercept_methods(self._interceptor(deltas, record)):
-                sums, aux = self.loss_sums_fn(self._full(dense, tables), batch)
+                sums, aux = self.loss_sums_fn(full if wrap is None else wrap(full), batch)
             return sums, (aux, [idx for _, idx in record])
 
         return f
@@ -128,26 +130,32 @@ class SparseLookups:
 
         `delta_grads[k]`: `[T, *idx_shape, dim]`; `indices[k]`: `[T, *idx_shape]`.
         """
+        tables = self.table_rows(delta_grads, indices, num_tasks)
+        it_d = iter(dense_grads)
+        out = [tables[self.names[i]] if i in self.table_ids else next(it_d)
+               for i in range(len(self.leaves))]
+        return self.treedef.unflatten(out)
+
+    def table_rows(self, delta_grads: list, indices: list, num_tasks: int) -> dict[str, Any]:
+        """Every table's per-task gradient by name: `SparseRows` of its lookups' rows
+        (`delta_grads[k]` `[T, *idx_shape, dim]`, `indices[k]` `[T, *idx_shape]`, in call
+        order), or zeros `[T, *table_shape]` for a table no lookup read."""
         per_table: dict[str, tuple[list, list]] = {n: ([], []) for n in self.table_names}
         for name, g, idx in zip(self.call_names, delta_grads, indices):
             d = g.shape[-1]
             per_table[name][0].append(idx.reshape(num_tasks, -1))
             per_table[name][1].append(g.reshape(num_tasks, -1, d))
-        it_d = iter(dense_grads)
-        out = []
-        for i, leaf in enumerate(self.leaves):
-            if i in self.table_ids:
-                name = self.names[i]
-                idx_l, rows_l = per_table[name]
-                if not idx_l:
-                    out.append(jnp.zeros((num_tasks,) + leaf.shape, leaf.dtype))
-                    continue
-                idx = jnp.concatenate(idx_l, axis=1).astype(jnp.int32)
-                rows = jnp.concatenate(rows_l, axis=1)
-                out.append(SparseRows(idx, rows.astype(leaf.dtype), num_rows=leaf.shape[0]))
-            else:
-                out.append(next(it_d))
-        return self.treedef.unflatten(out)
+        out = {}
+        for i in self.table_ids:
+            name, leaf = self.names[i], self.leaves[i]
+            idx_l, rows_l = per_table[name]
+            if not idx_l:
+                out[name] = jnp.zeros((num_tasks,) + leaf.shape, leaf.dtype)
+                continue
+            idx = jnp.concatenate(idx_l, axis=1).astype(jnp.int32)
+            rows = jnp.concatenate(rows_l, axis=1)
+            out[name] = SparseRows(idx, rows.astype(leaf.dtype), num_rows=leaf.shape[0])
+        return out
 
     def call_names_for(self, params: Any, batch: Any) -> None:
         """Records which table each lookup (in call order) reads."""

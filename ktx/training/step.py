@@ -81,8 +81,9 @@ class StepOptions:
 
     Attributes:
       num_microbatches: gradient accumulation factor M (divides the batch).
-      grad_method: balanced path: "auto" | "blocks" | "vjp" | "devices"
-        (`compute_task_gradients`). The `Trainer` turns "auto" into "devices" on a mesh
+      grad_method: balanced path: "auto" | "taps" | "blocks" | "vjp" | "devices"
+        (`compute_task_gradients`; "auto" takes the taps on one device where the model
+        has them). The `Trainer` turns "auto" into "devices" on a mesh
         whose `data` axis has several devices and no parameter split over it
         (task-partitioned batches, one microbatch): each device differentiates its own
         rows, and no task block is padded to the `data` axis (`ktx.optim.device_slots`).
@@ -173,9 +174,9 @@ class StepOptions:
         m = self.num_microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"num_microbatches={m!r}; accepted: an integer >= 1")
-        if self.grad_method not in ("auto", "blocks", "vjp", "devices"):
-            raise ValueError(f"grad_method={self.grad_method!r}; accepted: 'auto', 'blocks', "
-                             "'vjp', 'devices'")
+        if self.grad_method not in ("auto", "taps", "blocks", "vjp", "devices"):
+            raise ValueError(f"grad_method={self.grad_method!r}; accepted: 'auto', 'taps', "
+                             "'blocks', 'vjp', 'devices'")
         if self.task_grad_dtype not in (None, "bfloat16", "float32"):
             raise ValueError(f"task_grad_dtype={self.task_grad_dtype!r}; accepted: None (the "
                              "parameters' dtype), 'bfloat16' or 'float32'")
@@ -202,7 +203,7 @@ class StepOptions:
         u = self.uncertainty_rows
         if isinstance(u, bool) or not isinstance(u, int) or u < 0:
             raise ValueError(f"uncertainty_rows={u!r}; accepted: an int >= 0 (0: off)")
-        if u and self.grad_method in ("blocks", "devices"):
+        if u and self.grad_method in ("taps", "blocks", "devices"):
             raise ValueError("grad_method='blocks' with MT-uncertainty sampling "
                              f"(uncertainty_rows={u}): the selected rows are not task blocks; "
                              "accepted: 'auto' or 'vjp'")

@@ -396,7 +396,8 @@ class Trainer:
         # partitioner with a 2-way `model` axis (ktx train, 4 x 2 mesh, blocks of 5 and 6
         # rows); the extra rows are neighbours' rows, which the engine computes and drops.
         rows = sum(int(c) for c in steps[0])
-        counts = tuple(min(-(-c // data) * data, rows) for c in counts)
+        if self.options.grad_method != "taps":  # the taps cut no blocks: the counts
+            counts = tuple(min(-(-c // data) * data, rows) for c in counts)
         if self._capacity is None or len(self._capacity) != len(counts):
             self._capacity = counts
         else:

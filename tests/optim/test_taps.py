@@ -1,0 +1,174 @@
+"""Per-task gradients through task taps (`method="taps"`, `ktx.task_taps`): the same
+losses and gradients as the task blocks, under dropout, for T5 (unrolled and scanned) and
+the recommendation model, with equal and unequal task blocks; what the method refuses."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ktx import optim, partitioning, task_taps
+from ktx.models import seq2seq, t5
+from ktx.models.base import with_row_ids
+from ktx.models.recsys import RecsysModel
+from ktx.optim import compute_task_gradients
+from ktx.optim.task_gradients import leaf_dense
+from ktx.training import trainer as trainer_lib
+from tests.models.t5_batches import random_t5_batch
+
+UNEQUAL = (3, 5, 0, 8)  # one absent task
+EQUAL = (4, 4, 4, 4)
+
+
+def _t5(scan: bool):
+    return seq2seq.EncoderDecoderModel(
+        config=t5.T5Config(vocab_size=64, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=32,
+                           num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.1,
+                           scan_layers=scan),
+        num_tasks=4)
+
+
+def _recsys():
+    return RecsysModel(num_users=30, num_items=40, num_tasks=4, embed_dim=8, mlp_dims=(8, 4),
+                       tower_dims=(6,), dropout_rate=0.5)
+
+
+def _recsys_batch(counts, seed=0):
+    rng = np.random.default_rng(seed)
+    n = sum(counts)
+    return {"user": rng.integers(0, 30, n).astype(np.int32),
+            "item": rng.integers(0, 40, n).astype(np.int32),
+            "label": rng.integers(0, 2, n).astype(np.float32),
+            "task_id": np.repeat(np.arange(4), counts).astype(np.int32)}
+
+
+MODELS = {"t5": (lambda: _t5(False), random_t5_batch),
+          "t5_scanned": (lambda: _t5(True), random_t5_batch),
+          "recsys": (_recsys, _recsys_batch)}
+
+
+@functools.cache
+def _setup(name, counts):
+    model = MODELS[name][0]()
+    batch = with_row_ids({k: jnp.asarray(v) for k, v in MODELS[name][1](counts).items()})
+    params = jax.tree.map(lambda x: getattr(x, "value", x),
+                          model.init_variables(jax.random.key(0), batch)["params"],
+                          is_leaf=lambda x: hasattr(x, "value"))
+    return model, batch, params
+
+
+def _gradients(model, batch, params, method, counts, sparse=True, **kwargs):
+    rng = jax.random.key(3)
+
+    @jax.jit
+    def f(p, b):
+        return compute_task_gradients(
+            lambda q, c: model.loss_sums(q, c, rng, True), model.normalizer(b), p, b,
+            num_tasks=4, task_counts=counts, method=method,
+            sparse_tables=model.sparse_table_patterns if sparse else None, **kwargs)
+
+    return f(params, batch)
+
+
+def _dense(tree):
+    return jax.tree.map(lambda g: None if g is None else leaf_dense(g), tree,
+                        is_leaf=lambda x: isinstance(x, optim.SparseRows))
+
+
+@pytest.mark.parametrize("counts", [UNEQUAL, EQUAL], ids=["unequal", "equal"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_taps_give_the_blocks_losses_and_gradients_under_dropout(name, counts):
+    model, batch, params = _setup(name, counts)
+    lb, ab, gb = _gradients(model, batch, params, "blocks", counts)
+    lt, at, gt = _gradients(model, batch, params, "taps", counts)
+    np.testing.assert_allclose(lt, lb, rtol=1e-5, atol=1e-7)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), at, ab)
+    assert jax.tree.structure(gt.stacked, is_leaf=lambda x: x is None) == \
+        jax.tree.structure(gb.stacked, is_leaf=lambda x: x is None)
+    for got, want in ((gt.stacked, gb.stacked), (gt.summed, gb.summed)):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+                     _dense(got), _dense(want))
+    # Balanced parameters of every kind have per-task gradients that differ by task.
+    if name != "recsys":
+        scale = gt.stacked["encoder"]["encoder_norm"]["scale"]
+        assert not np.allclose(scale[0], scale[1])
+
+
+def test_auto_takes_the_taps_where_every_balanced_parameter_has_one():
+    """T5's token embedding is read through a tap only as sparse rows: without
+    `sparse_tables` "taps" is refused, naming it, and "auto" takes the blocks."""
+    model, batch, params = _setup("t5", EQUAL)
+    with pytest.raises(ValueError, match=r"token_embedder/embedding.*not read through a task tap"):
+        _gradients(model, batch, params, "taps", EQUAL, sparse=False)
+    traced = jax.make_jaxpr(lambda p, b: compute_task_gradients(
+        lambda q, c: model.loss_sums(q, c, None, False), model.normalizer(b), p, b,
+        num_tasks=4, task_counts=EQUAL, method="auto", sparse_tables=None))(params, batch)
+    assert "tri,tro->tio" not in str(traced)  # the blocks: no per-task product
+    traced = jax.make_jaxpr(lambda p, b: compute_task_gradients(
+        lambda q, c: model.loss_sums(q, c, None, False), model.normalizer(b), p, b,
+        num_tasks=4, task_counts=EQUAL, method="auto",
+        sparse_tables=model.sparse_table_patterns))(params, batch)
+    assert "custom_vjp_call" in str(traced) and "vmap" not in str(traced)
+
+
+def test_taps_need_static_rows_per_task():
+    model, batch, params = _setup("recsys", EQUAL)
+    with pytest.raises(ValueError, match=r"static rows per task.*sums to 20.*16 rows"):
+        _gradients(model, batch, params, "taps", None, task_capacity=(5, 5, 5, 5),
+                   check_layout=False)
+    # Capacities that fill the batch are its counts: taps.
+    lt, _, gt = _gradients(model, batch, params, "taps", None, task_capacity=EQUAL,
+                           check_layout=False)
+    lb, _, gb = _gradients(model, batch, params, "blocks", EQUAL)
+    np.testing.assert_allclose(lt, lb, rtol=1e-6)
+
+
+def test_tapped_contract_gives_each_tasks_kernel_gradient():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 3, 5)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    sizes = (2, 0, 4)
+
+    def loss(k, tap):
+        with task_taps.by_task(sizes):
+            return jnp.sum(jnp.sin(task_taps.contract(x, k, 1, tap)))
+
+    dk, dtap = jax.grad(loss, argnums=(0, 1))(kernel, jnp.zeros((3, 5, 4)))
+    starts = np.cumsum((0,) + sizes[:-1])
+    for t, (a, n) in enumerate(zip(starts, sizes)):
+        want = jax.grad(lambda k: jnp.sum(jnp.sin(x[a:a + n] @ k)))(kernel)
+        np.testing.assert_allclose(dtap[t], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dk, dtap.sum(0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="only inside task_taps.by_task"):
+        task_taps.contract(x, kernel, 1, jnp.zeros((3, 5, 4)))
+    with pytest.raises(ValueError, match="the batch has 6 examples"):
+        with task_taps.by_task((2, 2)):
+            task_taps.contract(x, kernel, 1, jnp.zeros((2, 5, 4)))
+
+
+def test_trainer_steps_with_taps_equal_the_blocks():
+    """Two MetaBalance steps of the recommendation model's `Trainer` on one device:
+    grad_method "taps" and "auto" (there: the taps) give the parameters "blocks" gives, and
+    so do the taps on 8 devices, whose `data` axis is wider than any task's 4 rows."""
+    model = _recsys()
+    batch = _recsys_batch(EQUAL)
+    one = partitioning.create_mesh(1, devices=jax.devices()[:1])
+
+    def run(method, mesh=one):
+        tr = trainer_lib.Trainer(model, optax.adam(1e-2), mesh=mesh,
+                                 balancer=optim.metabalance(num_tasks=4), grad_method=method,
+                                 sparse_tables=model.sparse_table_patterns)
+        state = tr.init_state(jax.random.key(0), batch)
+        for _ in range(2):
+            state, _ = tr.train_step(state, batch, jax.random.key(1), task_counts=EQUAL)
+        return jax.device_get(state.params)
+
+    want = run("blocks")
+    for got in (run("taps"), run("auto"), run("taps", partitioning.create_mesh(1))):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                     got, want)
