@@ -1,5 +1,6 @@
 """tests/benchmarks/per_task_grads.py's `--shared_variants`: MetaBalance configurations that
-balance only some parameters (what the decomposition of a balanced step's cost uses)."""
+balance only some parameters (what the decomposition of a balanced step's cost uses), and
+`--blocks`' configurations with the task blocks."""
 
 from __future__ import annotations
 
@@ -45,3 +46,12 @@ def test_a_variant_trainer_balances_only_its_parameters():
     tr = per_task_grads.trainer(model, "metabalance", sparse, shared=["logits_dense"])
     assert tr.options.shared == ("logits_dense",)
     assert per_task_grads.trainer(model, "metabalance", sparse).options.shared is None
+
+
+def test_blocks_configurations_take_the_task_blocks():
+    """`--blocks`' `NAME@blocks` Trainers take the task blocks; the others keep "auto"
+    (the taps on one device)."""
+    model, _, sparse = per_task_grads._t5_setup(1)
+    assert per_task_grads.trainer(model, "pcgrad", sparse).options.grad_method == "auto"
+    tr = per_task_grads.trainer(model, "pcgrad", sparse, grad_method="blocks")
+    assert tr.options.grad_method == "blocks"

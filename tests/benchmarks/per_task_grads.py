@@ -200,13 +200,14 @@ def _optimizer(name):
     return optax.scale_by_learning_rate(1e-3) if name == "mtadam" else optax.adam(1e-3)
 
 
-def trainer(model, balancer, sparse=None, mesh=None, shared=None):
+def trainer(model, balancer, sparse=None, mesh=None, shared=None, grad_method="auto"):
     """The `Trainer` whose step the trainer path times, plain (`balancer=None`) or with a
     balancer of `ko.BALANCERS` by name (`gpu_launches.py` compiles the same step);
-    `shared` replaces the model's shared-parameter patterns (`ktx.optim.selection`)."""
+    `shared` replaces the model's shared-parameter patterns (`ktx.optim.selection`);
+    `grad_method`: `StepOptions.grad_method`."""
     from ktx.training.trainer import Trainer
 
-    return Trainer(model, _optimizer(balancer), mesh=mesh,
+    return Trainer(model, _optimizer(balancer), mesh=mesh, grad_method=grad_method,
                    balancer=None if balancer is None else _balancer(balancer),
                    shared=shared if shared is not None
                    else getattr(model, "shared_param_patterns", None),
@@ -271,21 +272,25 @@ def _steal_and_total():
 
 
 def trainer_path(model, batch, counts, steps, repeats, sparse=None, balancers=None, cost=False,
-                 ops=False, repeat_seconds=0.0, shared_variants=None):
+                 ops=False, repeat_seconds=0.0, shared_variants=None, blocks=False):
     """Interleaved timing of `Trainer.train_step`, plain and with every balancer (and every
-    MetaBalance configuration of `shared_variants`, `parse_shared_variants`): each
+    MetaBalance configuration of `shared_variants`, `parse_shared_variants`; with
+    `blocks`, every balancer again with `grad_method="blocks"`, as `NAME@blocks`): each
     timed block is `steps` steps, or more if the plain step needs more to fill
     `repeat_seconds` (a block of a few milliseconds is at the mercy of one scheduling
     hiccup; a longer one also takes the diagnostics steps in at their period)."""
     host_batch = jax.device_get(batch)
     shared_variants = dict(shared_variants or {})
-    names = list(balancers or ko.BALANCERS) + list(shared_variants)
-    # name -> (balancer, shared-parameter patterns: None for the model's own)
-    configs = {"plain": (None, None), **{name: (name, None) for name in balancers or ko.BALANCERS},
-               **{name: ("metabalance", shared) for name, shared in shared_variants.items()}}
+    balancers = list(balancers or ko.BALANCERS)
+    # name -> (balancer, shared-parameter patterns: None for the model's own, grad_method)
+    configs = {"plain": (None, None, "auto"),
+               **{name: (name, None, "auto") for name in balancers},
+               **{name: ("metabalance", shared, "auto") for name, shared in shared_variants.items()},
+               **{f"{name}@blocks": (name, None, "blocks") for name in (balancers if blocks else ())}}
+    names = [name for name in configs if name != "plain"]
     runs, nbytes, op_counts = {}, {}, {}
-    for name, (balancer, shared) in configs.items():
-        tr = trainer(model, balancer, sparse, shared=shared)
+    for name, (balancer, shared, method) in configs.items():
+        tr = trainer(model, balancer, sparse, shared=shared, grad_method=method)
         state = tr.init_state(jax.random.key(0), host_batch)
         # Warm-up through the first diagnostics step: a balanced Trainer compiles its step
         # with diagnostics there (once per run, as `ktx train` does), which a timed block
@@ -426,6 +431,9 @@ def main(argv=None):
     p.add_argument("--shared_variants", default="",
                    help="NAME=REGEX;...: also time MetaBalance balancing only the parameters "
                         "matching REGEX (e.g. 'mb_logits=logits_dense'), under NAME")
+    p.add_argument("--blocks", action="store_true",
+                   help="also time every balancer with grad_method='blocks' (the task blocks, "
+                        "not the taps), under NAME@blocks")
     args = p.parse_args(argv)
     try:
         shared_variants = parse_shared_variants(args.shared_variants)
@@ -447,7 +455,7 @@ def main(argv=None):
         trainer_ratios[key], trainer_times[key] = trainer_path(
             model, batch, counts, args.steps, args.repeats, sparse,
             [b for b in args.balancers.split(",") if b] or None, args.cost, args.ops,
-            args.repeat_seconds, shared_variants)
+            args.repeat_seconds, shared_variants, args.blocks)
         print(json.dumps({"trainer_path": {key: trainer_ratios[key]}}), flush=True)
     result = {
         "benchmark": "per_task_grads",

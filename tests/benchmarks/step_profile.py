@@ -5,9 +5,12 @@ model (T5.1.1 at `--t5_size` tiny or small, or the recommendation model) it buil
 compiled step `ktx train` runs (`ktx.training.trainer.Trainer.train_step`) for a set of
 variants, each changing one thing against MetaBalance's default path:
 
-* `plain`: no balancer; `metabalance`: task blocks, sparse embedding rows (the default);
-* `metabalance_dense`: the same without sparse rows (dense per-task embedding gradients);
-* `metabalance_vjp`: per-task gradients through the VJP engine instead of task blocks;
+* `plain`: no balancer; `metabalance`: task taps on one device (`ktx.task_taps`), task
+  blocks on several, sparse embedding rows (the default);
+* `metabalance_dense`: the same without sparse rows (dense per-task embedding gradients;
+  T5's token table then has no tap, so the blocks);
+* `metabalance_blocks`: the task blocks on one device too (the default before the taps);
+* `metabalance_vjp`: per-task gradients through the VJP engine instead;
 * `vanilla_multi`: a loss-weighting balancer, one backward pass of the weighted loss;
 * `plain_nodrop`, `metabalance_nodrop`: both with dropout 0 (no per-row dropout keys).
 
@@ -61,6 +64,8 @@ VARIANTS = {
     "metabalance": {"balancer": "metabalance"},
     "metabalance_dense": {"balancer": "metabalance", "sparse_tables": ()},
     "metabalance_vjp": {"balancer": "metabalance", "grad_method": "vjp"},
+    # the task blocks, which "auto" took on one device before the taps (`ktx.task_taps`)
+    "metabalance_blocks": {"balancer": "metabalance", "grad_method": "blocks"},
     "vanilla_multi": {"balancer": "vanilla_multi"},
     "plain_nodrop": {"dropout": 0.0},
     "metabalance_nodrop": {"balancer": "metabalance", "dropout": 0.0},
