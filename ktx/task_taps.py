@@ -20,7 +20,9 @@ parameters' gradients carry the task axis.
   elementwise use; its gradient sums each task's rows.
 * `per_task(value, tap)`: the `T` values `value + tap`, `[T, *shape]`, for a parameter a
   module transforms before its rows use it (T5's relative position table, looked up into
-  biases), expanded to rows by `expand`.
+  biases), expanded to rows by `expand`, or held as `PerTask` values and added to a
+  `[N, ...]` array by `add` without building the `[N, ...]` expansion (T5's biases:
+  `[T, H, Lq, Lk]`, not one more array of the attention logits' size).
 
 The rows of a batch are grouped by task (`ktx.runs.train.TrainInput`): task `t` holds the
 `sizes[t]` consecutive examples after those of the tasks before it (`by_task`, static
@@ -48,8 +50,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ktx import linear
 
-__all__ = ["SUFFIX", "by_task", "contract", "expand", "per_task", "read", "recording",
-           "rows", "sizes"]
+__all__ = ["SUFFIX", "PerTask", "add", "by_task", "contract", "expand", "per_task", "read",
+           "recording", "rows", "sizes"]
 
 # The tap of parameter `name` is the sibling variable `name + SUFFIX`.
 SUFFIX = "@task"
@@ -118,10 +120,11 @@ def _equal(sizes: tuple[int, ...]) -> bool:
     return len(set(sizes)) == 1
 
 
-def expand(per_task_values: jax.Array, n: int | None = None) -> jax.Array:
+def expand(per_task_values: jax.Array, n: int | None = None,
+           task_sizes: tuple[int, ...] | None = None) -> jax.Array:
     """`[T, *shape]` -> `[N, *shape]`: each example gets its task's value (N the batch's
-    examples; `n`, if given, is checked against it)."""
-    s = sizes()
+    examples, `task_sizes` or `by_task`'s; `n`, if given, is checked against it)."""
+    s = sizes() if task_sizes is None else task_sizes
     if s is None:
         raise ValueError("task_taps.expand: only inside task_taps.by_task")
     t = len(s)
@@ -136,6 +139,48 @@ def expand(per_task_values: jax.Array, n: int | None = None) -> jax.Array:
         return out.reshape((t * s[0],) + rest)
     return jnp.concatenate([jnp.broadcast_to(per_task_values[i][None], (k,) + rest)
                             for i, k in enumerate(s) if k], axis=0)
+
+
+@jax.tree_util.register_pytree_node_class
+class PerTask:
+    """Each task's value, `values [T, *shape]`, standing for the `[N, *shape]` array whose
+    example n holds its task's (`expand`); `sizes`: the examples per task (static)."""
+
+    def __init__(self, values: jax.Array, sizes: tuple[int, ...]):
+        self.values, self.sizes = values, tuple(sizes)
+
+    def tree_flatten(self):
+        return (self.values,), self.sizes
+
+    @classmethod
+    def tree_unflatten(cls, sizes, children):
+        return cls(children[0], sizes)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def astype(self, dtype: Any) -> "PerTask":
+        return PerTask(self.values.astype(dtype), self.sizes)
+
+    def dense(self) -> jax.Array:
+        """The `[N, *shape]` array itself."""
+        return expand(self.values, task_sizes=self.sizes)
+
+
+def add(x: jax.Array, y: Any) -> jax.Array:
+    """`x + y`, for `y` an array (broadcast as usual) or `PerTask` values of `x`'s trailing
+    shape, added to each example's rows of `x [N, ...]` by task (equal tasks: `x` seen as
+    `[T, N / T, ...]`, nothing expanded)."""
+    if not isinstance(y, PerTask):
+        return x + y
+    s, t = y.sizes, len(y.sizes)
+    if x.shape[0] != sum(s) or tuple(x.shape[1:]) != tuple(y.values.shape[1:]):
+        raise ValueError(f"task_taps.add: values {y.values.shape} for tasks of {s} examples "
+                         f"do not fit an array {x.shape}")
+    if not _equal(s):
+        return x + y.dense()
+    return (x.reshape((t, s[0]) + x.shape[1:]) + y.values[:, None]).reshape(x.shape)
 
 
 def per_task(value: jax.Array, tap: jax.Array) -> jax.Array:

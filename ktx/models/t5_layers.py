@@ -259,7 +259,8 @@ class RelativePositionBiases(nn.Module):
     @nn.compact
     def __call__(self, query_positions: Array, key_positions: Array, bidirectional: bool) -> Array:
         """`query_positions` `[Lq]`, `key_positions` `[Lk]` (int) -> bias `[1, H, Lq, Lk]`
-        (`[B, H, Lq, Lk]` with a tap, `ktx.task_taps`)."""
+        (with a tap, `ktx.task_taps`: each task's, `task_taps.PerTask` of `[T, H, Lq, Lk]`,
+        which `MultiHeadAttention` adds by task)."""
         table = self.param(
             "rel_embedding",
             nn.with_logical_partitioning(
@@ -274,10 +275,11 @@ class RelativePositionBiases(nn.Module):
             relative, bidirectional, self.num_buckets, self.max_distance
         )
         tap = task_taps.read(self, "rel_embedding")
-        if tap is not None:  # each task's biases, expanded to its examples: [B, H, Lq, Lk]
+        if tap is not None:  # each task's biases, [T, H, Lq, Lk], added by task
             dtype = jnp.dtype(self.dtype)
             tables = task_taps.per_task(table, tap)
-            return task_taps.expand(jax.vmap(lambda t: bucket_biases(t, buckets, dtype))(tables))
+            return task_taps.PerTask(
+                jax.vmap(lambda t: bucket_biases(t, buckets, dtype))(tables), task_taps.sizes())
         return bucket_biases(table, buckets, jnp.dtype(self.dtype))[None]
 
 
@@ -398,6 +400,8 @@ class MultiHeadAttention(nn.Module):
                 ones = jnp.ones(mask.shape[:-1] + (num_prefix,), mask.dtype)
                 mask = jnp.concatenate([ones, mask], axis=-1)
             if bias is not None:
+                if isinstance(bias, task_taps.PerTask):
+                    bias = bias.dense()
                 zeros = jnp.zeros(bias.shape[:-1] + (num_prefix,), bias.dtype)
                 bias = jnp.concatenate([zeros, bias], axis=-1)
 
@@ -408,13 +412,14 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             mask = jnp.where(mask > 0, 0.0, _NEG_INF).astype(logits.dtype)
         if bias is not None:
-            bias = jnp.asarray(bias, logits.dtype)
+            bias = (bias.astype(logits.dtype) if isinstance(bias, task_taps.PerTask)
+                    else jnp.asarray(bias, logits.dtype))
 
         def scores(logits, mask, bias):
             if mask is not None:
                 logits = logits + mask
             if bias is not None:
-                logits = logits + bias
+                logits = task_taps.add(logits, bias)  # a `PerTask` bias by task
             return jax.nn.softmax(logits, axis=-1).astype(self.dtype)
 
         value = jnp.asarray(value, self.dtype)

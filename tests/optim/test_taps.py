@@ -172,3 +172,16 @@ def test_trainer_steps_with_taps_equal_the_blocks():
     for got in (run("taps"), run("auto"), run("taps", partitioning.create_mesh(1))):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                      got, want)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2, 2), (1, 0, 5)])
+def test_per_task_values_add_to_each_tasks_examples(sizes):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(6, 2, 3)), jnp.float32)
+    values = jnp.asarray(rng.normal(size=(3, 2, 3)), jnp.float32)
+    want = x + jnp.repeat(values, np.asarray(sizes), axis=0, total_repeat_length=6)
+    got = task_taps.add(x, task_taps.PerTask(values, sizes))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(task_taps.add(x, values[:1]), x + values[:1])
+    with pytest.raises(ValueError, match="do not fit"):
+        task_taps.add(x[:5], task_taps.PerTask(values, sizes))
