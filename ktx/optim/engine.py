@@ -503,7 +503,8 @@ def compute_task_gradients(
             raise ValueError(
                 f"method='taps' needs static rows per task: task_counts, or a task_capacity "
                 f"that fills the batch (capacity {sizes} sums to {sum(sizes)}, the batch has "
-                f"{n} rows); use method='blocks'")
+                f"{n} rows); use method='blocks' or 'auto' (StepOptions.grad_method; gin: "
+                "train_script.train.grad_method)")
         if method == "taps" or (auto and sum(sizes) == n and _data_ways() == 1):
             # Static counts (capacities that fill the batch are the counts).
             plan = tapped.plan(loss_sums_fn, params, batch, sizes, shared, sparse_tables)
@@ -511,7 +512,8 @@ def compute_task_gradients(
                 raise ValueError(
                     f"method='taps': the balanced parameters {plan.missing[:5]} "
                     f"({len(plan.missing)} in all) are not read through a task tap "
-                    "(ktx.task_taps); use method='blocks', or balance fewer parameters "
+                    "(ktx.task_taps); use method='blocks' or 'auto' (StepOptions.grad_method; "
+                    "gin: train_script.train.grad_method), or balance fewer parameters "
                     "(shared=)")
             if not plan.missing:
                 sums, aux, task_grads = tapped.task_gradients(
