@@ -1,6 +1,7 @@
 """Per-task gradients through task taps (`method="taps"`, `ktx.task_taps`): the same
 losses and gradients as the task blocks, under dropout, for T5 (unrolled and scanned) and
-the recommendation model, with equal and unequal task blocks; what the method refuses."""
+the recommendation model, with equal and unequal task blocks; what the method refuses; two
+Trainer steps on 1 and 8 devices."""
 
 from __future__ import annotations
 
