@@ -198,12 +198,17 @@ def _check_layout(task_id: Any, counts: tuple[int, ...]) -> None:
     jax.debug.callback(fail_if, mismatch.any(), first, jnp.asarray(task_id)[first])
 
 
+def _data_ways() -> int:
+    """The size of the `data` axis of the mesh being traced under (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(DATA, 1)
+
+
 def _check_slots(task_id: Any, slots: int) -> None:
     """Every device's rows (`task_id` split into the mesh's `data` equal ranges) hold at
     most `slots` distinct tasks: checked now for a concrete array, in the step (a host
     callback that raises) for a traced one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    ways = 1 if mesh.empty else dict(mesh.shape).get(DATA, 1)
+    ways = _data_ways()
 
     def most(ids):
         ids = np.asarray(ids).reshape(ways, -1)
@@ -228,10 +233,10 @@ def _check_slots(task_id: Any, slots: int) -> None:
     jax.debug.callback(fail_if, task_id)
 
 
-def _data_ways() -> int:
-    """The size of the `data` axis of the mesh being traced under (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get(DATA, 1)
+def _in_dtype(grads: Any, dtype: Any) -> Any:
+    """The dense per-task gradients of `grads` in `dtype` (`SparseRows` as they are)."""
+    return jax.tree.map(lambda g: g if isinstance(g, SparseRows) else g.astype(dtype),
+                        grads, is_leaf=lambda x: isinstance(x, SparseRows))
 
 
 def _own_entries(per_block: Any, present: Sequence[int], num_tasks: int) -> Any:
@@ -251,8 +256,7 @@ def _slice_block(batch: Mapping, start: Any, size: int) -> dict:
     per data shard. Under `vmap` (equal blocks) the task axis stays unconstrained. No
     constraint without a mesh, or when the data axis does not divide `size` (the Trainer
     rounds blocks up so that it does)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    ways = 1 if mesh.empty else dict(mesh.shape).get(DATA, 1)
+    ways = _data_ways()
 
     def one(v):
         x = jax.lax.dynamic_slice_in_dim(v, start, size)
@@ -520,11 +524,8 @@ def compute_task_gradients(
                     loss_sums_fn, normalizer, params, batch, num_tasks, sizes, plan,
                     sparse_tables)
                 if dtype is not None:
-                    task_grads = TaskGradients(
-                        stacked=jax.tree.map(
-                            lambda g: g if isinstance(g, SparseRows) else g.astype(dtype),
-                            task_grads.stacked, is_leaf=lambda x: isinstance(x, SparseRows)),
-                        summed=task_grads.summed)
+                    task_grads = TaskGradients(stacked=_in_dtype(task_grads.stacked, dtype),
+                                               summed=task_grads.summed)
                 return sums / normalizer, aux, task_grads
         if sparse_tables:
             sl = SparseLookups(loss_sums_fn, params, sparse_tables)
@@ -539,8 +540,7 @@ def compute_task_gradients(
     else:
         sums, aux, grads = _vjp(loss_sums_fn, normalizer, params, batch, num_tasks)
     if dtype is not None:
-        grads = jax.tree.map(lambda g: g if isinstance(g, SparseRows) else g.astype(dtype),
-                             grads, is_leaf=lambda x: isinstance(x, SparseRows))
+        grads = _in_dtype(grads, dtype)
     return sums / normalizer, aux, split_shared(grads, params, shared)
 
 

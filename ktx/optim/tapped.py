@@ -37,9 +37,8 @@ class Plan:
     tables aside) that are not, which rule the method out."""
 
     def __init__(self, names: list[str], shared: list[bool], taps: dict[int, int],
-                 missing: list[str], tables: list[int]):
-        self.names, self.shared, self.taps = names, shared, taps
-        self.missing, self.tables = missing, tables
+                 missing: list[str]):
+        self.names, self.shared, self.taps, self.missing = names, shared, taps, missing
 
 
 def plan(loss_sums_fn: Callable, params: Any, batch: Mapping, sizes: Sequence[int],
@@ -71,7 +70,7 @@ def plan(loss_sums_fn: Callable, params: Any, batch: Mapping, sizes: Sequence[in
         taps[i] = lead
     missing = [names[i] for i, f in enumerate(flags)
                if f and i not in tables and i not in taps]
-    return Plan(names, flags, taps, missing, tables)
+    return Plan(names, flags, taps, missing)
 
 
 def _zeros(leaf: Any, lead: int, num_tasks: int) -> jax.Array:
