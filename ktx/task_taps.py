@@ -30,7 +30,8 @@ sizes). A module finds its tap with `read(module, name)`: None outside `by_task`
 where the engine put none (a parameter it does not balance), and the module then computes
 as it always does. Under `recording()` (a shape-only trace) `read` notes every parameter
 read through a tap, so the engine can tell whether every balanced parameter has one;
-a parameter read through a tap must not be read any other way.
+a parameter read through a tap must not be read any other way, unless the module says so
+with `read_directly` (the engine then gives it no tap).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ktx import linear
 
 __all__ = ["SUFFIX", "PerTask", "add", "by_task", "contract", "expand", "per_task", "read",
-           "recording", "rows", "sizes"]
+           "read_directly", "recording", "rows", "sizes"]
 
 # The tap of parameter `name` is the sibling variable `name + SUFFIX`.
 SUFFIX = "@task"
@@ -114,6 +115,22 @@ def read(module: nn.Module, name: str) -> jax.Array | None:
         return None
     key = name + SUFFIX
     return module.get_variable("params", key) if module.has_variable("params", key) else None
+
+
+def read_directly(module: nn.Module, name: str) -> None:
+    """Say that `module` also reads its parameter `name` as it is, not through a tap (a
+    tied table's `attend`): a shape-only trace under `recording` notes it, and the engine
+    then gives the parameter no tap (its per-task gradients come another way)."""
+    if not _STACK:
+        return
+    region = _STACK[-1]
+    if region.record is not None:
+        if module.has_variable("params", name):
+            region.record.append((tuple(module.scope.path) + (name,), None))
+    elif module.has_variable("params", name + SUFFIX):
+        raise ValueError(f"task_taps: {'/'.join(module.scope.path + (name,))} has a tap but "
+                         "is also read without it; the engine gives no tap to a parameter "
+                         "`read_directly` names")
 
 
 def _equal(sizes: tuple[int, ...]) -> bool:

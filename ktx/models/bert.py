@@ -60,7 +60,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ktx import linear
+from ktx import linear, task_taps
 from ktx.models.t5 import ACTIVATION_DTYPES
 from ktx.models.t5_stack import check_remat_policy, gathered_layers, layer_class
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LAYERS, LENGTH, MLP, VOCAB
@@ -233,9 +233,22 @@ class DenseGeneral(nn.Module):
                             in_shape + features, jnp.float32)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
                           features, jnp.float32)
-        y = linear.contract(jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype),
-                            len(axis))
-        return y + jnp.asarray(bias, self.dtype)
+        x = jnp.asarray(x, self.dtype)
+        tap = task_taps.read(self, "kernel")  # per-task gradients in one backward pass
+        y = (linear.contract(x, jnp.asarray(kernel, self.dtype), len(axis)) if tap is None
+             else task_taps.contract(x, jnp.asarray(kernel, self.dtype), len(axis), tap))
+        return y + jnp.asarray(_tapped_rows(self, "bias", bias, y), self.dtype)
+
+
+def _tapped_rows(module: nn.Module, name: str, value: Array, x: Array) -> Array:
+    """`module`'s parameter `name` (`value`, used alike by every element of `x [N, ...,
+    *value.shape]`); under a tap (`ktx.task_taps`) each example's task's value, shaped to
+    broadcast against `x`."""
+    tap = task_taps.read(module, name)
+    if tap is None:
+        return value
+    rows = task_taps.rows(value, tap, x.shape[0])
+    return rows.reshape(rows.shape[:1] + (1,) * (x.ndim - 1 - value.ndim) + value.shape)
 
 
 def _dense(features, kernel_axes, bias_axes, *, axis=-1, dtype=jnp.float32, name=None):
@@ -244,9 +257,37 @@ def _dense(features, kernel_axes, bias_axes, *, axis=-1, dtype=jnp.float32, name
     return DenseGeneral(features, tuple(kernel_axes), tuple(bias_axes), axis, dtype, name=name)
 
 
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (same parameters, same values) whose scale and bias are read through
+    task taps where the engine gives them (`ktx.task_taps`): each example's task's scale
+    and bias, so that their gradients come per task from one backward pass."""
+
+    @nn.compact
+    def __call__(self, x, *, mask=None):
+        if task_taps.sizes() is None or mask is not None or self.reduction_axes != -1 \
+                or self.feature_axes != -1 or not (self.use_scale and self.use_bias):
+            return super().__call__(x, mask=mask)
+        features = x.shape[-1]
+        scale = self.param("scale", self.scale_init, (features,), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (features,), self.param_dtype)
+        # nn.LayerNorm's arithmetic (`flax.linen.normalization._normalize`), in float32
+        # from the input's dtype promoted with the parameters'.
+        dtype = jnp.promote_types(jnp.promote_types(x.dtype, self.param_dtype), jnp.float32)
+        y = jnp.asarray(x, dtype)
+        mean = y.mean(-1, keepdims=True)
+        if self.use_fast_variance:
+            var = jnp.maximum((y * y).mean(-1, keepdims=True) - mean * mean, 0.0)
+        else:
+            var = jnp.square(y - mean).mean(-1, keepdims=True)
+        mul = jax.lax.rsqrt(var + self.epsilon) * jnp.asarray(
+            _tapped_rows(self, "scale", scale, x), dtype)
+        out = (y - mean) * mul + jnp.asarray(_tapped_rows(self, "bias", bias, x), dtype)
+        return jnp.asarray(out, self.dtype or jnp.result_type(x, scale, bias))
+
+
 def _layer_norm(eps: float, dtype: Dtype, name: str) -> nn.LayerNorm:
     # Two-pass variance (E[(x - mean)^2], as torch) for float32 parity; computed in float32.
-    return nn.LayerNorm(
+    return LayerNorm(
         epsilon=eps, dtype=dtype, param_dtype=jnp.float32, use_fast_variance=False, name=name,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, (EMBED,)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (EMBED,)),
@@ -299,14 +340,16 @@ class BertEmbeddings(nn.Module):
                 "learned position table); truncate the inputs"
             )
         positions = jnp.arange(length, dtype=jnp.int32)[None]
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings(token_type_ids))
+        # Under task taps the position rows may come per task (`task_taps.add`).
+        x = task_taps.add(self.word_embeddings(input_ids), self.position_embeddings(positions))
+        x = x + self.token_type_embeddings(token_type_ids)
         x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
         return self.dropout(self.layer_norm(x), deterministic=deterministic)
 
     def attend(self, x: Array) -> Array:
         """`[..., E] -> [..., V]` dot products with every word embedding, in the module's
         `dtype` (`nn.Embed.attend` casts the query and the table to it)."""
+        task_taps.read_directly(self.word_embeddings, "embedding")
         return self.word_embeddings.attend(jnp.asarray(x, jnp.float32))
 
 
@@ -315,10 +358,25 @@ class _Embed(nn.Embed):
     values, but the table's gradient is scatter-added in float32 (in bfloat16 it is
     slow on a GPU and inexact; see `ktx.param_gather._rows`)."""
 
-    def __call__(self, inputs: Array) -> Array:
+    def __call__(self, inputs: Array) -> Array | task_taps.PerTask:
+        """`inputs` int `[N, ...]` -> `[N, ..., E]`. Under a tap (`ktx.task_taps`) each
+        example looks its ids up in its task's table; ids `[1, ...]` shared by a batch of
+        N > 1 examples (positions) give each task's rows, `PerTask` `[T, ..., E]`."""
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError(f"{self.name}: token ids must be integers, got dtype {inputs.dtype}")
-        return jnp.asarray(jnp.take(self.embedding, inputs, axis=0), self.dtype)
+        tap = task_taps.read(self, "embedding")
+        if tap is None:
+            return jnp.asarray(jnp.take(self.embedding, inputs, axis=0), self.dtype)
+        sizes = task_taps.sizes()
+        if inputs.shape[0] == 1 and sum(sizes) != 1:
+            tables = task_taps.per_task(self.embedding, tap)
+            return task_taps.PerTask(jnp.take(tables, inputs[0], axis=1), sizes).astype(
+                self.dtype)
+        task = task_taps.expand(jnp.arange(len(sizes), dtype=jnp.int32), inputs.shape[0])
+        task = task.reshape(task.shape + (1,) * (inputs.ndim - 1))
+        rows = jnp.take(self.embedding, inputs, axis=0) + tap[task, inputs].astype(
+            self.embedding.dtype)
+        return jnp.asarray(rows, self.dtype)
 
 
 class BertAttention(nn.Module):

@@ -62,6 +62,7 @@ clipped; validate them in the task's preprocessing.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -88,6 +89,7 @@ __all__ = ["TASK_HEADS_SCOPE", "TaskHeads", "BertClassifier", "EncoderClassifier
            "check_head_kinds", "apply_task_heads"]
 
 TASK_HEADS_SCOPE = "task_heads"
+WORD_EMBEDDINGS = "embeddings/word_embeddings/embedding"  # BERT's token table
 _FEATURES = ("input_ids", "token_type_ids", "attention_mask")
 _REQUIRED = ("input_ids", "label", "task_id")
 # Head kinds (the same names as `ktx.data.encoder_features`, which the tests check).
@@ -385,6 +387,16 @@ class EncoderClassifierModel(BaseModel):
             config=config, num_shared_layers=self.shared_layers, num_labels=self.num_labels,
             classifier_dropout=self.classifier_dropout, pooling=self.pooling,
             head_kinds=self.head_kinds)
+
+    @property
+    def sparse_table_patterns(self) -> tuple[str, ...]:
+        """Tables whose per-task gradients the balanced path keeps as looked-up rows
+        (`ktx.optim.sparse`; the Trainer's default `sparse_tables`): the word embeddings,
+        unless they are frozen (`frozen_layers`: their gradients are stopped in the loss,
+        which looked-up rows would not see)."""
+        frozen = any(isinstance(p, str) and re.fullmatch(p, WORD_EMBEDDINGS)
+                     for p in self.frozen_patterns)
+        return () if frozen else (f"^{re.escape(WORD_EMBEDDINGS)}$",)
 
     @property
     def tagging(self) -> bool:

@@ -58,10 +58,12 @@ def plan(loss_sums_fn: Callable, params: Any, batch: Mapping, sizes: Sequence[in
 
     jax.eval_shape(probe, params, dict(batch))
     index = {n: i for i, n in enumerate(names)}
+    # Parameters also read without their tap (`task_taps.read_directly`) get none.
+    direct = {index.get("/".join(str(p) for p in path)) for path, seen in found if seen is None}
     taps: dict[int, int] = {}
     for path, seen in found:
         i = index.get("/".join(str(p) for p in path))
-        if i is None or not flags[i] or i in tables:
+        if i is None or not flags[i] or i in tables or i in direct:
             continue
         lead = np.ndim(leaves[i]) - len(seen)
         if lead < 0 or tuple(np.shape(leaves[i])[lead:]) != tuple(seen):

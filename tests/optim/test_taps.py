@@ -1,7 +1,7 @@
 """Per-task gradients through task taps (`method="taps"`, `ktx.task_taps`): the same
-losses and gradients as the task blocks, under dropout, for T5 (unrolled and scanned) and
-the recommendation model, with equal and unequal task blocks; what the method refuses; two
-Trainer steps on 1 and 8 devices."""
+losses and gradients as the task blocks, under dropout, for T5 and BERT (unrolled and
+scanned) and the recommendation model, with equal and unequal task blocks; BERT with
+frozen layers; what the method refuses; two Trainer steps on 1 and 8 devices."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from ktx import optim, partitioning, task_taps
-from ktx.models import seq2seq, t5
+from ktx.models import bert, encoder, seq2seq, t5
 from ktx.models.base import with_row_ids
 from ktx.models.recsys import RecsysModel
 from ktx.optim import compute_task_gradients
@@ -48,18 +48,47 @@ def _recsys_batch(counts, seed=0):
             "task_id": np.repeat(np.arange(4), counts).astype(np.int32)}
 
 
+def _bert(scan: bool, frozen_layers: int = 0):
+    config = bert.BertConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+                             intermediate_size=32, max_position=16, dropout_rate=0.1,
+                             attention_dropout_rate=0.1, scan_layers=scan)
+    return encoder.EncoderClassifierModel(config, num_labels=(3, 2, 1, 2),
+                                          frozen_layers=frozen_layers)
+
+
+def _bert_batch(counts, seed=0):
+    rng = np.random.default_rng(seed)
+    n = sum(counts)
+    ids = rng.integers(1, 50, (n, 8)).astype(np.int32)
+    ids[1::2, 5:] = 0
+    task = np.repeat(np.arange(4), counts).astype(np.int32)
+    return {"input_ids": ids, "token_type_ids": (rng.random((n, 8)) > 0.5).astype(np.int32),
+            "attention_mask": (ids > 0).astype(np.int32),
+            "label": np.where(task == 2, rng.random(n), task % 2).astype(np.float32),
+            "task_id": task}
+
+
 MODELS = {"t5": (lambda: _t5(False), random_t5_batch),
           "t5_scanned": (lambda: _t5(True), random_t5_batch),
-          "recsys": (_recsys, _recsys_batch)}
+          "recsys": (_recsys, _recsys_batch),
+          "bert": (lambda: _bert(False), _bert_batch),
+          "bert_scanned": (lambda: _bert(True), _bert_batch),
+          "bert_frozen": (lambda: _bert(False, frozen_layers=1), _bert_batch)}
+# A parameter whose true gradient is zero (BERT's attention key bias: softmax does not see
+# it) has gradients of rounding size, ~1e-14, that differ between the two ways: `ATOL`.
+ATOL = 1e-7
+
+
+def _unbox(tree):
+    return jax.tree.map(lambda x: getattr(x, "value", x), tree,
+                        is_leaf=lambda x: hasattr(x, "value"))
 
 
 @functools.cache
 def _setup(name, counts):
     model = MODELS[name][0]()
     batch = with_row_ids({k: jnp.asarray(v) for k, v in MODELS[name][1](counts).items()})
-    params = jax.tree.map(lambda x: getattr(x, "value", x),
-                          model.init_variables(jax.random.key(0), batch)["params"],
-                          is_leaf=lambda x: hasattr(x, "value"))
+    params = _unbox(model.init_variables(jax.random.key(0), batch)["params"])
     return model, batch, params
 
 
@@ -84,8 +113,10 @@ def _dense(tree):
 # T5's scanned stack differs from the unrolled one in the taps' shapes only (a layer axis
 # before the task axis), not in how the blocks are cut: one block layout each.
 @pytest.mark.parametrize("name,counts", [("t5", UNEQUAL), ("t5_scanned", EQUAL),
-                                         ("recsys", UNEQUAL), ("recsys", EQUAL)],
-                         ids=["t5-unequal", "t5_scanned-equal", "recsys-unequal", "recsys-equal"])
+                                         ("recsys", UNEQUAL), ("recsys", EQUAL),
+                                         ("bert", UNEQUAL), ("bert_scanned", EQUAL)],
+                         ids=["t5-unequal", "t5_scanned-equal", "recsys-unequal", "recsys-equal",
+                              "bert-unequal", "bert_scanned-equal"])
 def test_taps_give_the_blocks_losses_and_gradients_under_dropout(name, counts):
     model, batch, params = _setup(name, counts)
     lb, ab, gb = _gradients(model, batch, params, "blocks", counts)
@@ -95,12 +126,48 @@ def test_taps_give_the_blocks_losses_and_gradients_under_dropout(name, counts):
     assert jax.tree.structure(gt.stacked, is_leaf=lambda x: x is None) == \
         jax.tree.structure(gb.stacked, is_leaf=lambda x: x is None)
     for got, want in ((gt.stacked, gb.stacked), (gt.summed, gb.summed)):
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=ATOL),
                      _dense(got), _dense(want))
     # Balanced parameters of every kind have per-task gradients that differ by task.
-    if name != "recsys":
+    if name.startswith("t5"):
         scale = gt.stacked["encoder"]["encoder_norm"]["scale"]
         assert not np.allclose(scale[0], scale[1])
+    if name.startswith("bert"):  # a norm, and the position table read once per task
+        for leaf in (gt.stacked["embeddings"]["layer_norm"]["scale"],
+                     gt.stacked["embeddings"]["position_embeddings"]["embedding"]):
+            assert not np.allclose(leaf[0], leaf[1])
+
+
+def test_bert_with_frozen_layers_takes_no_gradient_of_them_through_the_taps():
+    """The frozen embeddings and first layer (their gradients stopped in the loss) have
+    zero per-task gradients through their taps too, as with the blocks; their word table
+    is then no sparse table (whose looked-up rows would not see the stop)."""
+    model, batch, params = _setup("bert_frozen", UNEQUAL)
+    assert model.sparse_table_patterns == ()
+    _, _, gb = _gradients(model, batch, params, "blocks", UNEQUAL)
+    _, _, gt = _gradients(model, batch, params, "taps", UNEQUAL)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=ATOL),
+                 gt.stacked, gb.stacked)
+    for leaf in (gt.stacked["embeddings"], gt.stacked["layers_0"]):
+        assert all(not np.any(x) for x in jax.tree.leaves(leaf))
+    assert np.any(gt.stacked["layers_1"]["output"]["kernel"])
+
+
+def test_a_table_also_read_without_its_tap_gets_none():
+    """The MLM head reads BERT's word table as it is (`attend`, `task_taps.read_directly`):
+    the taps give it no tap, and "taps" balancing it is refused, naming it."""
+    from ktx.models.encoder_mlm import EncoderMlmModel
+    from tests.models.test_encoder_mlm import COUNTS, TINY
+    from tests.models.test_encoder_mlm import _batch as mlm_batch
+
+    model = EncoderMlmModel(TINY, num_tasks=2)
+    batch = {k: jnp.asarray(v) for k, v in mlm_batch().items()}
+    params = _unbox(model.init_variables(jax.random.key(0), batch)["params"])
+    word = encoder.WORD_EMBEDDINGS
+    with pytest.raises(ValueError, match=word + r".*not read through a task tap"):
+        compute_task_gradients(
+            lambda q, c: model.loss_sums(q, c, None, False), model.normalizer(batch), params,
+            batch, num_tasks=2, task_counts=COUNTS, method="taps", shared=["^embeddings/.*"])
 
 
 def test_auto_takes_the_taps_where_every_balanced_parameter_has_one():
