@@ -333,6 +333,12 @@ class BertEmbeddings(nn.Module):
         self.dropout = nn.Dropout(self.dropout_rate)
 
     def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool) -> Array:
+        x = nn.with_logical_constraint(self.summed(input_ids, token_type_ids),
+                                       (BATCH, LENGTH, EMBED))
+        return self.dropout(self.layer_norm(x), deterministic=deterministic)
+
+    def summed(self, input_ids: Array, token_type_ids: Array) -> Array:
+        """word + position + token-type embeddings `[B, L, E]`, before the LayerNorm."""
         length = input_ids.shape[1]
         if length > self.max_position:
             raise ValueError(
@@ -342,9 +348,7 @@ class BertEmbeddings(nn.Module):
         positions = jnp.arange(length, dtype=jnp.int32)[None]
         # Under task taps the position rows may come per task (`task_taps.add`).
         x = task_taps.add(self.word_embeddings(input_ids), self.position_embeddings(positions))
-        x = x + self.token_type_embeddings(token_type_ids)
-        x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))
-        return self.dropout(self.layer_norm(x), deterministic=deterministic)
+        return x + self.token_type_embeddings(token_type_ids)
 
     def attend(self, x: Array) -> Array:
         """`[..., E] -> [..., V]` dot products with every word embedding, in the module's

@@ -165,14 +165,7 @@ class TaskBertEmbeddings(bert.BertEmbeddings):
 
     def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool,
                  offset: Array | None = None) -> Array:
-        length = input_ids.shape[1]
-        if length > self.max_position:
-            raise ValueError(
-                f"input length {length} exceeds max_position={self.max_position} (the "
-                "learned position table); truncate the inputs")
-        positions = jnp.arange(length, dtype=jnp.int32)[None]
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings(token_type_ids))
+        x = self.summed(input_ids, token_type_ids)
         if offset is not None:
             x = x + jnp.asarray(offset, x.dtype)[:, None, :]
         x = nn.with_logical_constraint(x, (BATCH, LENGTH, EMBED))

@@ -2,10 +2,12 @@
 
 For T=4 tasks, on the multi-task recommendation model (`ktx.models.recsys`, Tmall-sized
 tables, sparse table gradients) and on a T5.1.1-tiny encoder-decoder
-(`ktx.models.seq2seq`):
+(`ktx.models.seq2seq`); with `--models bert`, also on a small multi-task BERT
+(`ktx.models.encoder`, `BERT_SMALL`, BERT's vocabulary, 64 tokens):
 
 * `trainer_path`: the compiled step `ktx train` runs (`ktx.training.trainer.Trainer.train_step`,
-  with the model's default `sparse_tables`: T5's token embedding, the recommendation tables;
+  with the model's default `sparse_tables`: T5's token embedding, the recommendation tables,
+  BERT's word table;
   Adam after the balancer, but a bare learning rate after MTAdam, which is itself the
   optimizer, as its gin files chain it; diagnostics at the default log period of 100 steps;
   the loss-weighting balancers take the step's loss-weighted shortcut, `ktx train`'s
@@ -411,6 +413,34 @@ def _t5_setup(per_task, dropout_rate=0.1, shapes=None, lengths=(32, 8)):
     return model, batch, None
 
 
+# BERT's layout at a CPU-sized width (tests/benchmarks/encoder_step.py --small), BERT's
+# vocabulary: its word table (7.8M of the 11M parameters) comes as sparse rows.
+BERT_SMALL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 1024}
+
+
+def _bert_setup(per_task, dropout_rate=0.1, length=64):
+    """Multi-task BERT (`EncoderClassifierModel`, one head per task) on random tokens,
+    every other row half padding."""
+    from ktx.models import bert, encoder
+
+    config = bert.BertConfig(dropout_rate=dropout_rate, attention_dropout_rate=dropout_rate,
+                             **BERT_SMALL)
+    model = encoder.EncoderClassifierModel(config, num_labels=(3, 2, 1, 2))  # T = 4 heads
+    r = np.random.default_rng(0)
+    n = T * per_task
+    ids = r.integers(1, config.vocab_size, (n, length)).astype(np.int32)
+    ids[1::2, length // 2:] = 0
+    task = np.repeat(np.arange(T), per_task).astype(np.int32)
+    batch = {
+        "input_ids": ids,
+        "token_type_ids": np.zeros_like(ids),
+        "attention_mask": (ids > 0).astype(np.int32),
+        "label": np.where(task == 2, r.random(n), task % 2).astype(np.float32),
+        "task_id": task,
+    }
+    return model, batch, list(model.sparse_table_patterns)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5, help="steps per timed block (at least)")
@@ -420,9 +450,11 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7, help="interleaved repeats")
     p.add_argument("--recsys_rows_per_task", type=int, default=64)
     p.add_argument("--t5_rows_per_task", type=int, default=4)
+    p.add_argument("--bert_rows_per_task", type=int, default=4)
     p.add_argument("--skip_engine", action="store_true", help="only the trainer path")
     p.add_argument("--models", default="t5_tiny,recsys",
-                   help="comma-separated subset of t5_tiny, recsys for the trainer path")
+                   help="comma-separated subset of t5_tiny, recsys, bert for the trainer path "
+                        "(bert: BERT_SMALL, 64 tokens; its steps are ~10x T5-tiny's)")
     p.add_argument("--balancers", default="", help="comma-separated subset of ktx.optim.BALANCERS")
     p.add_argument("--cost", action="store_true",
                    help="also XLA's bytes accessed per step, balanced / plain (compiles twice)")
@@ -444,10 +476,11 @@ def main(argv=None):
     malloc = host_malloc.configure_on_cpu()
     trainer_ratios, trainer_times = {}, {}
     models = [m for m in args.models.split(",") if m]
-    if not models or set(models) - {"t5_tiny", "recsys"}:
-        p.error(f"--models={args.models!r}; accepted: t5_tiny, recsys (comma-separated)")
+    if not models or set(models) - {"t5_tiny", "recsys", "bert"}:
+        p.error(f"--models={args.models!r}; accepted: t5_tiny, recsys, bert (comma-separated)")
     for key, setup, per_task in (("t5_tiny", _t5_setup, args.t5_rows_per_task),
-                                 ("recsys", _recsys_setup, args.recsys_rows_per_task)):
+                                 ("recsys", _recsys_setup, args.recsys_rows_per_task),
+                                 ("bert", _bert_setup, args.bert_rows_per_task)):
         if key not in models:
             continue
         model, batch, sparse = setup(per_task)
