@@ -71,6 +71,7 @@ __all__ = [
     "BertOutput",
     "DenseGeneral",
     "BertEmbeddings",
+    "Embed",
     "BertAttention",
     "BertLayer",
     "BertMLMHead",
@@ -320,13 +321,13 @@ class BertEmbeddings(nn.Module):
 
     def setup(self):
         init = nn.initializers.normal(stddev=0.02)
-        self.word_embeddings = _Embed(
+        self.word_embeddings = Embed(
             self.vocab_size, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
             embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)))
-        self.position_embeddings = _Embed(
+        self.position_embeddings = Embed(
             self.max_position, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
             embedding_init=nn.with_logical_partitioning(init, (None, EMBED)))
-        self.token_type_embeddings = _Embed(
+        self.token_type_embeddings = Embed(
             self.type_vocab_size, self.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
             embedding_init=nn.with_logical_partitioning(init, (None, EMBED)))
         self.layer_norm = _layer_norm(self.layer_norm_eps, self.dtype, "layer_norm")
@@ -357,7 +358,7 @@ class BertEmbeddings(nn.Module):
         return self.word_embeddings.attend(jnp.asarray(x, jnp.float32))
 
 
-class _Embed(nn.Embed):
+class Embed(nn.Embed):
     """`nn.Embed` whose rows are gathered in float32 and then cast to `dtype`: the same
     values, but the table's gradient is scatter-added in float32 (in bfloat16 it is
     slow on a GPU and inexact; see `ktx.param_gather._rows`)."""

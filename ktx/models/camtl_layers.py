@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ktx import task_taps
 from ktx.models import bert
 from ktx.partitioning import (
     BATCH,
@@ -172,6 +173,9 @@ class BlockDiagonalBias(nn.Module):
         length, c = self.max_seq_length, self.block_size
         matrix = self.param("block_matrix", nn.with_logical_partitioning(
             nn.initializers.zeros, (LENGTH, None)), (length, c), jnp.float32)
+        tap = task_taps.read(self, "block_matrix")  # each row's task's A under a tap
+        if tap is not None:
+            matrix = task_taps.rows(matrix, tap, z.shape[0])
         film = _film(z, c, self.dtype, "film")
         modulated = (1.0 + film.gamma[:, None, :]) * matrix + film.beta[:, None, :]  # [B, L, c]
         q = jnp.arange(length)[:, None]
@@ -198,16 +202,26 @@ class CaMtlLayerNorm(nn.Module):
                            (hidden,), jnp.float32)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (EMBED,)),
                           (hidden,), jnp.float32)
+        # Under task taps (`ktx.task_taps`) each row's task's scale and bias, `[B, E]`.
+        tapped = {}
+        for name, value in (("scale", scale), ("bias", bias)):
+            tap = task_taps.read(self, name)
+            tapped[name] = value if tap is None else task_taps.rows(value, tap, x.shape[0])
+        scale, bias = tapped["scale"], tapped["bias"]
+
+        def lift(v):  # `[B, E]` per row -> `[B, 1, E]`; `[E]` as it is
+            return v[:, None, :] if v.ndim == 2 else v
+
         x = jnp.asarray(x, jnp.float32)
         mean = x.mean(axis=-1, keepdims=True)
         centred = x - mean
         var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
         y = centred * jax.lax.rsqrt(var + self.epsilon)
         if film is None:
-            y = y * scale + bias
+            y = y * lift(scale) + lift(bias)
         else:
             s = film.scale.apply(scale)[:, None, :]
-            b = bias if film.bias is None else film.bias.apply(bias)[:, None, :]
+            b = lift(bias) if film.bias is None else film.bias.apply(bias)[:, None, :]
             y = y * s + b
         return jnp.asarray(y, self.dtype)
 
@@ -349,7 +363,7 @@ class CaMtlConditioning(nn.Module):
 
     def setup(self):
         e, c = self.hidden_size, self.camtl
-        self.task_embeddings = nn.Embed(
+        self.task_embeddings = bert.Embed(  # nn.Embed, looked up through a task tap
             self.num_tasks, e, dtype=jnp.float32, param_dtype=jnp.float32,
             embedding_init=nn.with_logical_partitioning(_kernel_init, (TASKS, TASK_EMBED)))
         self.alignment = _dense(2 * e, (TASK_EMBED, None), (None,), self.dtype, None)

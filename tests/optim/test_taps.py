@@ -1,6 +1,6 @@
 """Per-task gradients through task taps (`method="taps"`, `ktx.task_taps`): the same
-losses and gradients as the task blocks, under dropout, for T5 and BERT (unrolled and
-scanned) and the recommendation model, with equal and unequal task blocks; BERT with
+losses and gradients as the task blocks, under dropout, for T5, BERT and CA-MTL (unrolled
+and scanned) and the recommendation model, with equal and unequal task blocks; BERT with
 frozen layers; what the method refuses; two Trainer steps on 1 and 8 devices."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from ktx import optim, partitioning, task_taps
-from ktx.models import bert, encoder, seq2seq, t5
+from ktx.models import bert, camtl, encoder, seq2seq, t5
 from ktx.models.base import with_row_ids
 from ktx.models.recsys import RecsysModel
 from ktx.optim import compute_task_gradients
@@ -48,10 +48,14 @@ def _recsys_batch(counts, seed=0):
             "task_id": np.repeat(np.arange(4), counts).astype(np.int32)}
 
 
-def _bert(scan: bool, frozen_layers: int = 0):
+def _bert(scan: bool, frozen_layers: int = 0, camtl_variant: str | None = None):
     config = bert.BertConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
                              intermediate_size=32, max_position=16, dropout_rate=0.1,
                              attention_dropout_rate=0.1, scan_layers=scan)
+    if camtl_variant:  # CA-MTL's conditioning, every module of it read through taps
+        return camtl.CaMtlClassifierModel(
+            config, camtl=camtl.CaMtlConfig(variant=camtl_variant, max_seq_length=8),
+            num_labels=(3, 2, 1, 2))
     return encoder.EncoderClassifierModel(config, num_labels=(3, 2, 1, 2),
                                           frozen_layers=frozen_layers)
 
@@ -73,7 +77,9 @@ MODELS = {"t5": (lambda: _t5(False), random_t5_batch),
           "recsys": (_recsys, _recsys_batch),
           "bert": (lambda: _bert(False), _bert_batch),
           "bert_scanned": (lambda: _bert(True), _bert_batch),
-          "bert_frozen": (lambda: _bert(False, frozen_layers=1), _bert_batch)}
+          "bert_frozen": (lambda: _bert(False, frozen_layers=1), _bert_batch),
+          "camtl": (lambda: _bert(False, camtl_variant="base"), _bert_batch),
+          "camtl_scanned": (lambda: _bert(True, camtl_variant="large"), _bert_batch)}
 # A parameter whose true gradient is zero (BERT's attention key bias: softmax does not see
 # it) has gradients of rounding size, ~1e-14, that differ between the two ways: `ATOL`.
 ATOL = 1e-7
@@ -114,9 +120,11 @@ def _dense(tree):
 # before the task axis), not in how the blocks are cut: one block layout each.
 @pytest.mark.parametrize("name,counts", [("t5", UNEQUAL), ("t5_scanned", EQUAL),
                                          ("recsys", UNEQUAL), ("recsys", EQUAL),
-                                         ("bert", UNEQUAL), ("bert_scanned", EQUAL)],
+                                         ("bert", UNEQUAL), ("bert_scanned", EQUAL),
+                                         ("camtl", UNEQUAL), ("camtl_scanned", EQUAL)],
                          ids=["t5-unequal", "t5_scanned-equal", "recsys-unequal", "recsys-equal",
-                              "bert-unequal", "bert_scanned-equal"])
+                              "bert-unequal", "bert_scanned-equal", "camtl-unequal",
+                              "camtl_scanned_large-equal"])
 def test_taps_give_the_blocks_losses_and_gradients_under_dropout(name, counts):
     model, batch, params = _setup(name, counts)
     lb, ab, gb = _gradients(model, batch, params, "blocks", counts)
@@ -132,10 +140,15 @@ def test_taps_give_the_blocks_losses_and_gradients_under_dropout(name, counts):
     if name.startswith("t5"):
         scale = gt.stacked["encoder"]["encoder_norm"]["scale"]
         assert not np.allclose(scale[0], scale[1])
-    if name.startswith("bert"):  # a norm, and the position table read once per task
+    if name.startswith(("bert", "camtl")):  # a norm, the position table read once per task
         for leaf in (gt.stacked["embeddings"]["layer_norm"]["scale"],
                      gt.stacked["embeddings"]["position_embeddings"]["embedding"]):
             assert not np.allclose(leaf[0], leaf[1])
+    if name.startswith("camtl"):  # the task embeddings: each task's own row only
+        table = gt.stacked["conditioning"]["task_embeddings"]["embedding"]
+        for t, count in enumerate(counts):
+            assert np.any(table[t, t]) == (count > 0)
+            assert not np.any(np.delete(table[t], t, axis=0))
 
 
 def test_bert_with_frozen_layers_takes_no_gradient_of_them_through_the_taps():
