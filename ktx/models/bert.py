@@ -265,14 +265,18 @@ class LayerNorm(nn.LayerNorm):
 
     @nn.compact
     def __call__(self, x, *, mask=None):
-        if task_taps.sizes() is None or mask is not None or self.reduction_axes != -1 \
-                or self.feature_axes != -1 or not (self.use_scale and self.use_bias):
+        taps = [task_taps.read(self, name) for name in ("scale", "bias")]
+        if all(t is None for t in taps):
             return super().__call__(x, mask=mask)
+        if mask is not None or self.reduction_axes != -1 or self.feature_axes != -1 \
+                or not (self.use_scale and self.use_bias):
+            raise ValueError(f"{self.name}: a tapped LayerNorm normalizes the last axis, "
+                             "with scale and bias and no mask")
         features = x.shape[-1]
         scale = self.param("scale", self.scale_init, (features,), self.param_dtype)
         bias = self.param("bias", self.bias_init, (features,), self.param_dtype)
-        # nn.LayerNorm's arithmetic (`flax.linen.normalization._normalize`), in float32
-        # from the input's dtype promoted with the parameters'.
+        # nn.LayerNorm's arithmetic (`flax.linen.normalization`: `_compute_stats`, then
+        # `_normalize`) in float32, the scale and bias each example's task's.
         dtype = jnp.promote_types(jnp.promote_types(x.dtype, self.param_dtype), jnp.float32)
         y = jnp.asarray(x, dtype)
         mean = y.mean(-1, keepdims=True)

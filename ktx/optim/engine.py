@@ -26,7 +26,7 @@ parameters, stacked on a leading task axis, from inside a jitted train step:
   the whole batch, every balanced parameter read through a tap whose gradient is its
   per-task gradients (`ktx.task_taps`, `ktx.optim.tapped`): the activations' cotangents
   are the plain step's, only the parameters' gradients carry the task axis. The model's
-  layers must read every balanced parameter through a tap (T5's, BERT's and the
+  layers must read every balanced parameter through a tap (T5's, BERT's, CA-MTL's and the
   recommendation model's do); a parameter that is not is an error naming it.
 * `method="auto"`: taps when the counts are static and every balanced parameter has a
   tap, blocks when `task_counts` or `task_capacity` is given, vjp otherwise.

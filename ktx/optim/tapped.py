@@ -7,8 +7,8 @@ gradients, every task's gradient of the balanced ones. The blocks method differe
 the model under `vmap` over the task blocks instead, so that every activation's cotangent
 carries the task axis too; the two give the same gradients (tests/optim/test_taps.py).
 
-It applies where every balanced parameter is read through a tap (T5's, BERT's and the
-recommendation model's layers; an `nn.Embed` table of `sparse_tables` through its looked-up
+It applies where every balanced parameter is read through a tap (T5's, BERT's, CA-MTL's
+and the recommendation model's layers; an `nn.Embed` table of `sparse_tables` through its looked-up
 rows, `ktx.optim.sparse`) and the examples per task are static; a parameter also read
 without its tap (`task_taps.read_directly`) gets none. `plan` says whether it
 does: a shape-only trace of the model under `task_taps.recording` lists the parameters
