@@ -13,7 +13,7 @@ import pytest
 
 from ktx import optim
 from ktx.training import trainer as trainer_lib
-from ktx.models import seq2seq, t5
+from ktx.models import bert, pals, seq2seq, t5
 from ktx.models.base import with_row_ids
 from ktx.models.recsys import RecsysModel
 from ktx.optim import compute_task_gradients
@@ -51,7 +51,27 @@ def _recsys_batch(seed=0):
     }
 
 
-MODELS = {"t5": (_t5, _t5_batch), "recsys": (_recsys, _recsys_batch)}
+def _pals(dropout=0.1):
+    """PALs on a tiny BERT: an encoder method whose word table is a sparse table."""
+    config = bert.BertConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+                             intermediate_size=32, max_position=16, dropout_rate=dropout,
+                             attention_dropout_rate=dropout)
+    return pals.PalsClassifierModel(config, pals_size=6, pals_heads=2, num_labels=(3, 2, 1, 2))
+
+
+def _pals_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    n = sum(COUNTS)
+    ids = rng.integers(1, 50, (n, 8)).astype(np.int32)
+    ids[1::2, 5:] = 0
+    task = np.repeat(np.arange(len(COUNTS)), COUNTS).astype(np.int32)
+    return {"input_ids": ids, "attention_mask": (ids > 0).astype(np.int32),
+            "label": np.where(task == 2, rng.random(n), task % 2).astype(np.float32),
+            "task_id": task}
+
+
+MODELS = {"t5": (_t5, _t5_batch), "recsys": (_recsys, _recsys_batch),
+          "pals": (_pals, _pals_batch)}
 
 
 @pytest.fixture(scope="module", autouse=True)
