@@ -14,10 +14,12 @@ parameters' gradients carry the task axis.
 * `contract(x, kernel, n_in, tap)` (`ktx.linear.contract` with a tap): the kernel's
   gradient is taken per task, one matrix product of each task's rows of `x` with its rows
   of the cotangent (the same FLOPs as the plain product's); `x`'s cotangent is the plain
-  one. The kernel is never expanded per row.
+  one. The kernel is never expanded per row. `param_contract(module, name, ...)` reads the tap
+  and takes `linear.contract` without one.
 * `rows(value, tap)`: a small parameter used the same way by every row (a norm's scale, a
   bias) as a `[N, *shape]` array, row `n` holding `value + tap[task(n)]`, for an
-  elementwise use; its gradient sums each task's rows.
+  elementwise use; its gradient sums each task's rows. `param_rows(module, name, value, like)`
+  reads the tap and shapes the rows to broadcast against `like`.
 * `per_task(value, tap)`: the `T` values `value + tap`, `[T, *shape]`, for a parameter a
   module transforms before its rows use it (T5's relative position table, looked up into
   biases), expanded to rows by `expand`, or held as `PerTask` values and added to a
@@ -51,8 +53,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ktx import linear
 
-__all__ = ["SUFFIX", "PerTask", "add", "by_task", "contract", "expand", "per_task", "read",
-           "read_directly", "recording", "rows", "sizes"]
+__all__ = ["SUFFIX", "PerTask", "add", "by_task", "contract", "expand", "param_contract",
+           "param_rows", "per_task", "read", "read_directly", "recording", "rows", "sizes"]
 
 # The tap of parameter `name` is the sibling variable `name + SUFFIX`.
 SUFFIX = "@task"
@@ -243,6 +245,25 @@ def contract(x: jax.Array, kernel: jax.Array, n_in: int, tap: jax.Array) -> jax.
         raise ValueError(f"task_taps.contract: tap of shape {tap.shape} for a kernel "
                          f"{kernel.shape} and {len(s)} tasks")
     return _tapped(x, kernel, tap, n_in, s)
+
+
+def param_rows(module: nn.Module, name: str, value: jax.Array, like: jax.Array) -> jax.Array:
+    """`module`'s parameter `name` (`value`, used alike by every element of `like [N, ...,
+    *value.shape]`, e.g. a bias or a norm's scale) as it is, or under a tap each example's
+    task's value (`rows`), shaped to broadcast against `like`."""
+    tap = read(module, name)
+    if tap is None:
+        return value
+    out = rows(value, tap, like.shape[0])
+    return out.reshape(out.shape[:1] + (1,) * (like.ndim - 1 - value.ndim) + value.shape)
+
+
+def param_contract(module: nn.Module, name: str, x: jax.Array, kernel: jax.Array,
+                   n_in: int = 1) -> jax.Array:
+    """`ktx.linear.contract(x, kernel, n_in)` of `module`'s kernel parameter `name`; under a
+    tap, `contract`, whose backward pass also gives the kernel's gradient per task."""
+    tap = read(module, name)
+    return linear.contract(x, kernel, n_in) if tap is None else contract(x, kernel, n_in, tap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

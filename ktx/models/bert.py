@@ -60,7 +60,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ktx import linear, task_taps
+from ktx import task_taps
 from ktx.models.t5 import ACTIVATION_DTYPES
 from ktx.models.t5_stack import check_remat_policy, gathered_layers, layer_class
 from ktx.partitioning import BATCH, EMBED, HEADS, KV, LAYERS, LENGTH, MLP, VOCAB
@@ -234,22 +234,10 @@ class DenseGeneral(nn.Module):
                             in_shape + features, jnp.float32)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
                           features, jnp.float32)
-        x = jnp.asarray(x, self.dtype)
-        tap = task_taps.read(self, "kernel")  # per-task gradients in one backward pass
-        y = (linear.contract(x, jnp.asarray(kernel, self.dtype), len(axis)) if tap is None
-             else task_taps.contract(x, jnp.asarray(kernel, self.dtype), len(axis), tap))
-        return y + jnp.asarray(_tapped_rows(self, "bias", bias, y), self.dtype)
-
-
-def _tapped_rows(module: nn.Module, name: str, value: Array, x: Array) -> Array:
-    """`module`'s parameter `name` (`value`, used alike by every element of `x [N, ...,
-    *value.shape]`); under a tap (`ktx.task_taps`) each example's task's value, shaped to
-    broadcast against `x`."""
-    tap = task_taps.read(module, name)
-    if tap is None:
-        return value
-    rows = task_taps.rows(value, tap, x.shape[0])
-    return rows.reshape(rows.shape[:1] + (1,) * (x.ndim - 1 - value.ndim) + value.shape)
+        # Under task taps (`ktx.task_taps`): per-task gradients in one backward pass.
+        y = task_taps.param_contract(self, "kernel", jnp.asarray(x, self.dtype),
+                                     jnp.asarray(kernel, self.dtype), len(axis))
+        return y + jnp.asarray(task_taps.param_rows(self, "bias", bias, y), self.dtype)
 
 
 def _dense(features, kernel_axes, bias_axes, *, axis=-1, dtype=jnp.float32, name=None):
@@ -285,8 +273,8 @@ class LayerNorm(nn.LayerNorm):
         else:
             var = jnp.square(y - mean).mean(-1, keepdims=True)
         mul = jax.lax.rsqrt(var + self.epsilon) * jnp.asarray(
-            _tapped_rows(self, "scale", scale, x), dtype)
-        out = (y - mean) * mul + jnp.asarray(_tapped_rows(self, "bias", bias, x), dtype)
+            task_taps.param_rows(self, "scale", scale, x), dtype)
+        out = (y - mean) * mul + jnp.asarray(task_taps.param_rows(self, "bias", bias, x), dtype)
         return jnp.asarray(out, self.dtype or jnp.result_type(x, scale, bias))
 
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ktx import linear, task_taps
+from ktx import task_taps
 from ktx import partitioning as P
 from ktx.models.base import BaseModel, Batch, RowDropout, row_ids, segment_sum_by_task
 
@@ -166,10 +166,8 @@ class _Dense(nn.Module):
     def __call__(self, x):
         kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
         bias = self.param("bias", self.bias_init, (self.features,), jnp.float32)
-        tap = task_taps.read(self, "kernel")
-        y = linear.contract(x, kernel) if tap is None else task_taps.contract(x, kernel, 1, tap)
-        tap = task_taps.read(self, "bias")
-        return y + (bias if tap is None else task_taps.rows(bias, tap, x.shape[0]))
+        y = task_taps.param_contract(self, "kernel", x, kernel)
+        return y + task_taps.param_rows(self, "bias", bias, y)
 
 
 class _Mlp(nn.Module):

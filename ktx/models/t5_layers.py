@@ -148,10 +148,8 @@ class RMSNorm(nn.Module):
                 "scale", nn.with_logical_partitioning(nn.initializers.ones, (EMBED,)),
                 (features,), jnp.float32,
             )
-            tap = task_taps.read(self, "scale")
-            if tap is not None:  # each example's task's scale, per-task gradients
-                scale = task_taps.rows(scale, tap, x.shape[0])
-                scale = scale.reshape((scale.shape[0],) + (1,) * (x.ndim - 2) + (features,))
+            # Under a tap each example's task's scale (per-task gradients).
+            scale = task_taps.param_rows(self, "scale", scale, x)
         else:
             if scale.shape[-1] != features or scale.ndim not in (1, 2) or (
                 scale.ndim == 2 and scale.shape[0] != x.shape[0]
